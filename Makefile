@@ -1,0 +1,33 @@
+# Two set-up commands: `make demo` and `make test`. Both install what they need first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[examples,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/train_digits.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,0 +1,117 @@
+"""Where this process stands in a distributed job.
+
+The answer comes from the live process group when one exists (whoever made it),
+else from the variables a launcher exported: torchrun / `unison launch`
+(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, ...), SLURM (`SLURM_PROCID`, ...) or
+Open MPI (`OMPI_COMM_WORLD_RANK`, ...). Outside any launch: rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# Each field lists the variables that carry it, first found wins.
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+_LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                # SLURM_NTASKS_PER_NODE may read "2(x3)": the leading count is ours.
+                return int(value.split("(")[0])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return default
+
+
+@dataclass(frozen=True)
+class DistribEnv:
+    """The job layout a launcher described in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def launched(self) -> bool:
+        """True when the environment describes a multi-process job."""
+        return self.world_size > 1
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> DistribEnv:
+        """Read the layout from `env` (default `os.environ`); check it is consistent.
+
+        >>> DistribEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2"}).rank
+        1
+        """
+        env = os.environ if env is None else env
+        world = _first_int(env, _WORLD_VARS, 1)
+        rank = _first_int(env, _RANK_VARS, 0)
+        local = _first_int(env, _LOCAL_RANK_VARS, 0)
+        local_world = _first_int(env, _LOCAL_WORLD_VARS, world)
+        if world < 1:
+            raise ValueError(f"world size must be at least 1, the environment says {world}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the world of {world} processes (ranks 0..{world - 1})")
+        port = env.get("MASTER_PORT")
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            local_world_size=local_world,
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=int(port) if port else None,
+        )
+
+
+def group_active() -> bool:
+    """True when this process belongs to an initialised default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_distrib() -> int:
+    """This process's global rank: from the process group if any, else the launcher's environment.
+
+    >>> rank_distrib()  # outside a launch
+    0
+    """
+    if group_active():
+        return dist.get_rank()
+    return DistribEnv.from_environ().rank
+
+
+def num_distrib() -> int:
+    """The number of processes in the job (1 outside a launch).
+
+    >>> num_distrib()
+    1
+    """
+    if group_active():
+        return dist.get_world_size()
+    return DistribEnv.from_environ().world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (the GPU it would use), from the launcher's environment.
+
+    >>> local_rank()
+    0
+    """
+    return DistribEnv.from_environ().local_rank
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the process that prints, plots and writes files."""
+    return rank_distrib() == 0

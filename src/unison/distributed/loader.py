@@ -1,0 +1,224 @@
+"""Shard a plain `DataLoader` across the ranks of a data-parallel job.
+
+Every rank lists the same global order of indices (a function of a seed and the
+epoch only), pads it by wrapping to a multiple of the world size and takes every
+`world_size`-th position starting at its rank. So the k-th batches of all ranks
+together are the k-th batch of one process with batch size `world_size * bs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from unison.distributed.env import num_distrib, rank_distrib
+
+
+def _mix(*parts: int | str) -> int:
+    """A 63-bit value from `parts`, the same in every process (unlike `hash`)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _PlanSampler:
+    """The inner loader's batch sampler: yields the index lists `DistributedDL.__iter__` planned."""
+
+    def __init__(self, owner: DistributedDL) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        # Bind the list now: a later plan must not change an iteration in flight.
+        return iter(self.owner._batches)
+
+    def __len__(self) -> int:
+        return len(self.owner._batches)
+
+
+class DistributedDL:
+    """This rank's share of the batches of `dl`, a map-style `DataLoader`.
+
+    Rank `r` of `W` gets `ceil(n / W)` items per epoch: global positions `r, r+W, ...`
+    of the sampler's order, wrapped past the end, in batches of `dl.batch_size`.
+    Data are loaded by one inner `DataLoader` built once (so persistent workers
+    persist), with `dl`'s dataset, collate function, workers and pinning.
+
+    Each `iter()` plans the epoch `self.epoch`, then adds one to it; trainers call
+    `set_epoch(epoch)` before each epoch so the order never depends on how often the
+    loader was iterated. With `seed=None` every rank takes rank 0's
+    `torch.initial_seed()` (a collective when a process group exists: construct on all ranks).
+
+    >>> dl = DataLoader(list(range(50)), batch_size=16)
+    >>> [b.tolist() for b in DistributedDL(dl, rank=1, world_size=4)][0][:4]
+    [1, 5, 9, 13]
+    """
+
+    def __init__(
+        self, dl: DataLoader, rank: int | None = None, world_size: int | None = None, seed: int | None = None
+    ) -> None:
+        if not isinstance(dl, DataLoader):
+            raise TypeError(f"DistributedDL wraps a torch DataLoader, got {type(dl).__name__}")
+        if isinstance(dl.dataset, IterableDataset):
+            raise ValueError(
+                "DistributedDL needs a map-style dataset (with __getitem__ and __len__), "
+                f"got an IterableDataset ({type(dl.dataset).__name__}): it cannot be indexed to shard it"
+            )
+        if dl.batch_size is None:
+            raise ValueError(
+                "DistributedDL does not support a DataLoader with batch_size=None (a custom batch_sampler "
+                "or no batching): it shards the sampler's indices and batches them itself; "
+                "pass sampler= and batch_size= instead"
+            )
+        if isinstance(dl.sampler, DistributedSampler):
+            raise ValueError(
+                "DistributedDL shards the data itself: give it a loader without a DistributedSampler"
+            )
+        self.rank = rank_distrib() if rank is None else rank
+        self.world_size = num_distrib() if world_size is None else world_size
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"DistributedDL needs world_size >= 1 and 0 <= rank < world_size, "
+                f"got rank={self.rank}, world_size={self.world_size}"
+            )
+        if seed is None:
+            seed = torch.initial_seed() % 2**63
+            if dist.is_available() and dist.is_initialized():
+                # Ranks seeded differently must still agree on the data order.
+                box: list[Any] = [seed]
+                dist.broadcast_object_list(box, src=0)
+                seed = box[0]
+        self.seed = int(seed)
+        self.epoch = 0
+        self._dl = dl
+        self._start = 0
+        self._order: list[Any] | None = None
+        self._batches: list[list[Any]] = []
+        # DataLoader draws its worker base seed from this generator on every iter(); a private one
+        # reseeded per epoch keeps the caller's global RNG untouched and worker seeds reproducible.
+        self._gen = dl.generator if dl.generator is not None else torch.Generator()
+        kwargs: dict[str, Any] = {}
+        if dl.num_workers > 0:
+            kwargs["prefetch_factor"] = dl.prefetch_factor
+        if hasattr(dl, "in_order"):
+            kwargs["in_order"] = dl.in_order
+        self._inner = DataLoader(
+            dl.dataset,
+            batch_sampler=_PlanSampler(self),  # type: ignore[arg-type]
+            collate_fn=dl.collate_fn,
+            num_workers=dl.num_workers,
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            generator=self._gen,
+            persistent_workers=dl.persistent_workers,
+            pin_memory_device=dl.pin_memory_device,
+            **kwargs,
+        )
+
+    # Pass-throughs so code written for a DataLoader keeps working.
+    @property
+    def dl(self) -> DataLoader:
+        return self._dl
+
+    @property
+    def dataset(self) -> Any:
+        return self._dl.dataset
+
+    @property
+    def sampler(self) -> Any:
+        return self._dl.sampler
+
+    @property
+    def batch_size(self) -> int:
+        return self._dl.batch_size  # type: ignore[return-value]
+
+    @property
+    def drop_last(self) -> bool:
+        return self._dl.drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use the order of `epoch`.
+
+        >>> ddl.set_epoch(3); first = next(iter(ddl))  # doctest: +SKIP
+        """
+        self.epoch = int(epoch)
+
+    def set_start(self, batch_index: int) -> None:
+        """Skip the first `batch_index` batches of the next iteration, without loading them (resume).
+
+        >>> ddl.set_epoch(2); ddl.set_start(5)  # continue epoch 2 at its 6th batch  # doctest: +SKIP
+        """
+        if batch_index < 0:
+            raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
+        self._start = int(batch_index)
+
+    def global_order(self, epoch: int) -> list[Any]:
+        """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size.
+
+        >>> DistributedDL(DataLoader(range(4)), 0, 2).global_order(0)
+        [0, 1, 2, 3]
+        """
+        sampler = self.sampler
+        mixed = _mix(self.seed, epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        has_gen = hasattr(sampler, "generator")
+        saved = sampler.generator if has_gen else None
+        # Samplers draw from their own generator or else from the global RNG: pin both, restore both.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(mixed)
+            try:
+                if has_gen:
+                    sampler.generator = torch.Generator().manual_seed(mixed)
+                return list(sampler)
+            finally:
+                if has_gen:
+                    sampler.generator = saved
+
+    @property
+    def _n(self) -> int:
+        # The planned order when there is one, else what the sampler announces.
+        return len(self._order) if self._order is not None else len(self.sampler)
+
+    @property
+    def n_items(self) -> int:
+        """How many items this rank yields per epoch (`ceil(n / W)`, less the dropped last batch)."""
+        items = math.ceil(self._n / self.world_size)
+        return items - items % self.batch_size if self.drop_last else items
+
+    @property
+    def n_real(self) -> int:
+        """How many of this rank's items are real, not wrap-around padding (which always comes last)."""
+        return max(0, min(self.n_items, math.ceil((self._n - self.rank) / self.world_size)))
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank; `set_start` does not change it)."""
+        return math.ceil(self.n_items / self.batch_size)
+
+    def _plan(self, epoch: int, start: int) -> list[list[Any]]:
+        self._order = order = self.global_order(epoch)
+        n, w, bs = len(order), self.world_size, self.batch_size
+        positions = range(self.rank, self.rank + w * self.n_items, w)
+        items = [order[p % n] for p in positions] if n else []
+        return [items[i : i + bs] for i in range(start * bs, len(items), bs)]
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self.epoch, self._start
+        self.epoch, self._start = epoch + 1, 0
+        self._batches = self._plan(epoch, start)
+        if self._dl.generator is None:
+            self._gen.manual_seed(_mix(self.seed, epoch, self.rank, "workers"))
+        return iter(self._inner)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDL(rank={self.rank}, world_size={self.world_size}, seed={self.seed}, "
+            f"epoch={self.epoch}, batches={len(self)})"
+        )

@@ -1,0 +1,216 @@
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
+
+from unison.distributed.loader import DistributedDL
+
+N = 50
+
+
+def _shards(dl, world_size, epoch=0, seed=0):
+    """Every rank's items for `epoch`, flattened, by rank."""
+    out = []
+    for r in range(world_size):
+        ddl = DistributedDL(dl, r, world_size, seed=seed)
+        ddl.set_epoch(epoch)
+        out.append(torch.cat(list(ddl)).tolist())
+    return out
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_first_batch_is_strided_and_wrapped(rank):
+    dl = DataLoader(list(range(N)), batch_size=16)
+    assert torch.equal(list(DistributedDL(dl, rank, 4))[0], torch.arange(rank, 52, 4) % N)
+
+
+def test_shuffled_ranks_cover_data_and_order_depends_on_seed_and_epoch():
+    dl = DataLoader(list(range(N)), batch_size=16, shuffle=True)
+    firsts = [list(DistributedDL(dl, r, 4, seed=7))[0] for r in range(4)]
+    assert np.array_equal(np.unique(torch.cat(firsts).numpy()), np.arange(N))
+    e0, e1 = _shards(dl, 4, epoch=0, seed=7), _shards(dl, 4, epoch=1, seed=7)
+    assert e0 != e1
+    assert e0 == _shards(dl, 4, epoch=0, seed=7)
+    assert e0 != _shards(dl, 4, epoch=0, seed=8)
+
+
+def test_iterating_twice_without_set_epoch_reshuffles():
+    ddl = DistributedDL(DataLoader(list(range(N)), batch_size=N, shuffle=True), 0, 1, seed=3)
+    first, second = next(iter(ddl)), next(iter(ddl))
+    assert ddl.epoch == 2 and not torch.equal(first, second)
+
+
+def test_weighted_sampler_order_is_shared():
+    weights = torch.as_tensor(np.arange(N) >= 25, dtype=torch.double)
+    dl = DataLoader(list(range(N)), batch_size=8, sampler=WeightedRandomSampler(weights, N))
+    shards = _shards(dl, 4, seed=1)
+    assert all(min(s) >= 25 for s in shards)
+    assert shards == _shards(dl, 4, seed=1)
+
+
+def test_world_size_1_order_is_the_interleaving_of_ranks():
+    dl = DataLoader(list(range(N)), batch_size=4, shuffle=True)
+    (single,) = _shards(dl, 1, epoch=2)
+    padded = [single[p % N] for p in range(51)]  # 50 padded by wrap to a multiple of 3
+    for r, shard in enumerate(_shards(dl, 3, epoch=2)):
+        assert shard == padded[r::3]
+
+
+@pytest.mark.parametrize("drop_last, lengths", [(False, (4, 13)), (True, (3, 12))])
+def test_lengths_and_drop_last(drop_last, lengths):
+    dl = DataLoader(list(range(N)), batch_size=4, drop_last=drop_last)
+    for r in range(4):
+        ddl = DistributedDL(dl, r, 4)
+        batches = list(ddl)
+        assert (len(ddl), ddl.n_items) == lengths == (len(batches), sum(len(b) for b in batches))
+
+
+def test_n_real_marks_the_padding():
+    dl = DataLoader(list(range(N)), batch_size=16)
+    ddls = [DistributedDL(dl, r, 4) for r in range(4)]
+    assert [d.n_real for d in ddls] == [13, 13, 12, 12]
+    assert [d.n_items for d in ddls] == [13] * 4
+    # The padded item is rank 2's and 3's last: the wrap-around of positions 50 and 51.
+    assert [torch.cat(list(d))[-1].item() for d in ddls[2:]] == [0, 1]
+
+
+def test_fewer_items_than_ranks_wraps():
+    ddls = [DistributedDL(DataLoader([10, 11], batch_size=2), r, 4) for r in range(4)]
+    assert [torch.cat(list(d)).tolist() for d in ddls] == [[10], [11], [10], [11]]
+    assert [d.n_real for d in ddls] == [1, 1, 0, 0]
+
+
+def test_empty_dataset():
+    ddl = DistributedDL(DataLoader([], batch_size=4), 1, 2)
+    assert (len(ddl), list(ddl), ddl.n_items, ddl.n_real) == (0, [], 0, 0)
+
+
+def test_set_start_skips_batches_once():
+    ddl = DistributedDL(DataLoader(list(range(N)), batch_size=4, shuffle=True), 1, 2, seed=5)
+    full = list(ddl)
+    ddl.set_epoch(0)
+    ddl.set_start(3)
+    resumed = list(ddl)
+    assert len(ddl) == 7 and len(resumed) == 4
+    assert all(torch.equal(a, b) for a, b in zip(full[3:], resumed, strict=True))
+    ddl.set_epoch(0)
+    assert len(list(ddl)) == 7
+
+
+def test_global_rng_untouched():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    ddl = DistributedDL(DataLoader(list(range(N)), batch_size=8, shuffle=True), 0, 2)
+    for _ in range(2):
+        list(ddl)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_collate_fn_is_kept():
+    def collate(items):
+        return {"x": torch.tensor(items), "n": len(items)}
+
+    batch = next(iter(DistributedDL(DataLoader(list(range(10)), batch_size=3, collate_fn=collate), 0, 2)))
+    assert batch["n"] == 3 and batch["x"].tolist() == [0, 2, 4]
+
+
+class _Squares(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, i * i])
+
+
+class _BatchedSquares(_Squares):
+    def __init__(self, n):
+        super().__init__(n)
+        self.calls = []
+
+    def __getitems__(self, idx):
+        self.calls.append(list(idx))
+        return [self[i] for i in idx]
+
+
+def test_getitems_gets_whole_batches():
+    fast, slow = _BatchedSquares(N), _Squares(N)
+    got = [
+        list(DistributedDL(DataLoader(ds, batch_size=8, shuffle=True), 1, 2, seed=4)) for ds in (fast, slow)
+    ]
+    assert len(fast.calls) == len(got[0]) == 4
+    assert [len(c) for c in fast.calls] == [8, 8, 8, 1]
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+class _GlobalRandSampler(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
+def test_user_sampler_on_the_global_rng_is_deterministic():
+    dl = DataLoader(list(range(N)), batch_size=N, sampler=_GlobalRandSampler(N))
+    torch.manual_seed(0)
+    a = next(iter(DistributedDL(dl, 0, 1, seed=9)))
+    torch.manual_seed(1)
+    b = next(iter(DistributedDL(dl, 0, 1, seed=9)))
+    assert torch.equal(a, b) and not torch.equal(a, torch.arange(N))
+
+
+def test_persistent_workers_across_epochs():
+    ds = TensorDataset(torch.arange(20))
+    dl = DataLoader(ds, batch_size=5, shuffle=True, num_workers=1, persistent_workers=True)
+    ddl = DistributedDL(dl, 0, 2, seed=2)
+    epochs = []
+    for epoch in range(2):
+        ddl.set_epoch(epoch)
+        epochs.append(torch.cat([b for (b,) in ddl]).tolist())
+    ref = DistributedDL(DataLoader(ds, batch_size=5, shuffle=True), 0, 2, seed=2)
+    assert epochs == [torch.cat([b for (b,) in ref]).tolist() for _ in range(2)]
+    assert epochs[0] != epochs[1]
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_unsupported_loaders_are_clear_errors():
+    with pytest.raises(ValueError, match="needs a map-style dataset"):
+        DistributedDL(DataLoader(_Stream(), batch_size=2), 0, 1)
+    with pytest.raises(ValueError, match="batch_size=None"):
+        DistributedDL(DataLoader(list(range(8)), batch_sampler=[[0, 1], [2, 3]]), 0, 1)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        DistributedDL(DataLoader(list(range(8))), 2, 2)
+    with pytest.raises(ValueError, match="rank=0, world_size=0"):
+        DistributedDL(DataLoader(list(range(8))), 0, 0)
+
+
+def _seed_and_shard():
+    import torch.distributed as dist
+
+    torch.manual_seed(dist.get_rank())
+    ddl = DistributedDL(DataLoader(list(range(N)), batch_size=8, shuffle=True))
+    return ddl.seed, (ddl.rank, ddl.world_size), torch.cat(list(ddl)).tolist()
+
+
+def test_default_seed_is_broadcast(pool2):
+    (s0, where0, shard0), (s1, where1, shard1) = pool2.run(_seed_and_shard)
+    assert s0 == s1 == 0
+    assert (where0, where1) == ((0, 2), (1, 2))
+    assert not set(shard0) & set(shard1) and sorted(shard0 + shard1) == list(range(N))

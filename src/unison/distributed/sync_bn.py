@@ -1,0 +1,225 @@
+"""Synchronised BatchNorm that works on any device and backend, gloo on CPU included.
+
+`torch.nn.SyncBatchNorm` refuses CPU tensors. `SyncBatchNorm` here normalises with
+the statistics of the union of all ranks' batches using two small collectives per
+step (one all_gather forward, one all_reduce backward), so a DDP model trains as one
+process would on the global batch. `convert_sync_batchnorm` / `revert_sync_batchnorm`
+swap layers in and out while keeping the very same Parameter and buffer objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+__all__ = ["BatchNormNd", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        factor: float,
+        group: Any,
+        world_size: int,
+    ) -> Tensor:
+        # float32 at least: half-precision sums of large batches lose the statistics.
+        cdtype = torch.promote_types(x.dtype, torch.float32)
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        xf = x.to(cdtype)
+        count = x.numel() // channels
+        if count > 0:  # two passes: mean first, then squares about it (stable)
+            mean = xf.mean(dims)
+            var = (xf - _bcast(mean, x)).square().mean(dims)
+        else:  # an empty rank contributes zero weight below, never a NaN
+            mean = var = torch.zeros(channels, dtype=cdtype, device=x.device)
+        packed = torch.cat([mean.new_full((1,), float(count)), mean, var])
+        gathered = packed.new_empty(world_size, packed.numel())
+        dist.all_gather(list(gathered.unbind(0)), packed, group=group)
+        counts, means, variances = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
+        total = float(counts.sum())
+        if total <= 1:  # same check, on every rank, as F.batch_norm in training
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(total)}")
+        # Chan et al.'s parallel combine: within-rank spread plus spread of the rank means.
+        g_mean = (counts * means).sum(0) / total
+        g_var = (counts * (variances + (means - g_mean).square())).sum(0) / total
+        invstd = torch.rsqrt(g_var + eps)
+        if running_mean is not None and running_var is not None:
+            # As torch's BatchNorm for one batch of `total` values: unbiased var in the buffer.
+            running_mean.lerp_(g_mean.to(running_mean.dtype), factor)
+            running_var.lerp_((g_var * (total / (total - 1))).to(running_var.dtype), factor)
+        y = (xf - _bcast(g_mean, x)) * _bcast(invstd if weight is None else invstd * weight, x)
+        if bias is not None:
+            y = y + _bcast(bias, x)
+        ctx.save_for_backward(x, weight, g_mean, invstd)
+        ctx.total, ctx.group = total, group
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = [0, *range(2, x.dim())]
+        dyf = dy.to(mean.dtype)
+        xhat = (x.to(mean.dtype) - _bcast(mean, x)) * _bcast(invstd, x)
+        sum_dy, sum_dy_xhat = dyf.sum(dims), (dyf * xhat).sum(dims)
+        # Local sums, like torch's SyncBatchNorm: each rank's backward carries only its own loss
+        # term, and DDP's mean over ranks of these gives d(mean of rank losses)/d(weight, bias).
+        grad_w = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # Every sample moved the global mean and var, so dx needs the sums of all ranks.
+            sums = torch.cat([sum_dy, sum_dy_xhat])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+            mean_dy, mean_dy_xhat = (sums / ctx.total).chunk(2)
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (dyf - _bcast(mean_dy, x) - xhat * _bcast(mean_dy_xhat, x)) * _bcast(scale, x)
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _bcast(v: Tensor, like: Tensor) -> Tensor:
+    """A per-channel vector shaped to broadcast over an (N, C, *) tensor."""
+    return v.reshape(1, -1, *([1] * (like.dim() - 2)))
+
+
+class BatchNormNd(_BatchNorm):
+    """Plain BatchNorm for any (N, C, *) input: what `revert_sync_batchnorm` turns a
+    SyncBatchNorm into when no original BatchNorm1d/2d/3d class was recorded."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over the union of every rank's batch; any device, any backend (gloo too).
+
+    Batch statistics are synchronised whenever they are used (training, or eval without
+    running stats) and the group has more than one rank; otherwise it is exactly
+    `F.batch_norm`. Weight and bias gradients are this rank's share, as in torch's
+    SyncBatchNorm, so that DDP's gradient average yields single-process training on the
+    global batch. Ranks may hold different (even zero) batch sizes. Note: every rank of
+    the group must call forward (and backward) together, as for any collective.
+
+    >>> bn = SyncBatchNorm(16)                   # or convert_sync_batchnorm(model)
+    >>> y = bn(torch.randn(8, 16, 4, 4))         # no group / one rank: plain BatchNorm
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if affine and not bias:  # set here, not via super(): older torch lacks `bias=`
+            self.register_parameter("bias", None)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _sync_group(self) -> tuple[Any, int] | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group == dist.GroupMember.NON_GROUP_MEMBER:  # not in the given group: nobody to sync with
+            return None
+        world_size = dist.get_world_size(group)
+        return (group, world_size) if world_size > 1 else None
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"expected {self.num_features} channels, got input of shape {tuple(input.shape)}"
+            )
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        # Same rules as torch's BatchNorm: batch stats in training or when there are no buffers.
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats
+        running_mean = self.running_mean if keep else None
+        running_var = self.running_var if keep else None
+        sync = self._sync_group() if use_batch_stats else None
+        if sync is None:
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
+            )
+        return _SyncBatchNormFn.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, *sync
+        )
+
+
+def _rebuild(src: nn.Module, cls: type[nn.Module], drop: tuple[str, ...] = (), **extra: Any) -> nn.Module:
+    """A new `cls` instance with `src`'s whole state: the same Parameter and buffer objects,
+    mode, hooks, qconfig and any other attribute; registries are copied, not shared, so the
+    old module stays intact. Bypasses __init__, so subclasses with other signatures work."""
+    new = cls.__new__(cls)
+    state = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in vars(src).items() if k not in drop}
+    vars(new).update(state, **extra)
+    return new
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) -> nn.Module:
+    """Replace every BatchNorm layer in `module` with a synchronised one.
+
+    Layers on CUDA become `torch.nn.SyncBatchNorm` (its fused kernels); all others become
+    unison's `SyncBatchNorm`. The new layers hold the same Parameter and buffer objects, so
+    an optimizer built earlier keeps working. Returns the root (new if `module` is a BN).
+
+    >>> model = convert_sync_batchnorm(model)    # before wrapping in DDP
+    """
+    out = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(f"{type(module).__name__} is uninitialised: run one forward pass first")
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        cls = nn.SyncBatchNorm if any(t.is_cuda for t in tensors) else SyncBatchNorm
+        out = _rebuild(module, cls, process_group=process_group, _unison_original_cls=type(module))
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child, process_group))
+    return out
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Undo `convert_sync_batchnorm`: each SyncBatchNorm (unison's or torch's) becomes its
+    recorded original class, or `BatchNormNd` (any input rank) when none was recorded,
+    sharing the same Parameter and buffer objects. Returns the (possibly new) root.
+
+    >>> model = revert_sync_batchnorm(convert_sync_batchnorm(model))   # types as before
+    """
+    out = module
+    if isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        cls = getattr(module, "_unison_original_cls", None) or BatchNormNd
+        out = _rebuild(module, cls, drop=("process_group", "_unison_original_cls"))
+    for name, child in module.named_children():
+        out.add_module(name, revert_sync_batchnorm(child))
+    return out

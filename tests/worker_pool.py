@@ -99,8 +99,13 @@ class WorkerPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
-            timeout: float | None = None) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         """Call `fn(*args)` on every rank (after exporting `env`); return results by rank."""
         for q in self._tasks:
             q.put((fn, args, dict(env or {})))

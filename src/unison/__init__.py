@@ -1,0 +1,64 @@
+"""unison: exact, fault-tolerant data-parallel training for PyTorch.
+
+>>> from unison import Learner, DataLoaders, accuracy
+>>> learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(), metrics=[accuracy])
+>>> with learn.distrib_ctx():
+...     learn.fit_one_cycle(3)
+"""
+
+from unison.callbacks import (
+    EVENTS,
+    Callback,
+    CancelBatchException,
+    CancelEpochException,
+    CancelFitException,
+    CancelTrainException,
+    CancelValidException,
+    EarlyStopping,
+    GradientAccumulation,
+    GradientClip,
+    LRFinder,
+    OneCycleScheduler,
+    ProgressCallback,
+    Recorder,
+    SaveModelCallback,
+    TrackerCallback,
+)
+from unison.data import DataLoaders, to_device
+from unison.learner import Learner
+from unison.metrics import AccumMetric, AvgMetric, Metric, WeightedMean, accuracy, error_rate, roc_auc
+from unison.rng import set_seed
+from unison.serialization import CheckpointError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EVENTS",
+    "AccumMetric",
+    "AvgMetric",
+    "Callback",
+    "CancelBatchException",
+    "CancelEpochException",
+    "CancelFitException",
+    "CancelTrainException",
+    "CancelValidException",
+    "CheckpointError",
+    "DataLoaders",
+    "EarlyStopping",
+    "GradientAccumulation",
+    "GradientClip",
+    "LRFinder",
+    "Learner",
+    "Metric",
+    "OneCycleScheduler",
+    "ProgressCallback",
+    "Recorder",
+    "SaveModelCallback",
+    "TrackerCallback",
+    "WeightedMean",
+    "accuracy",
+    "error_rate",
+    "roc_auc",
+    "set_seed",
+    "to_device",
+]

@@ -1,0 +1,35 @@
+"""Callbacks: one concern each, run by the `Learner` at its named events."""
+
+from unison.callbacks.core import (
+    EVENTS,
+    Callback,
+    CancelBatchException,
+    CancelEpochException,
+    CancelFitException,
+    CancelTrainException,
+    CancelValidException,
+)
+from unison.callbacks.progress import ProgressCallback
+from unison.callbacks.recorder import Recorder
+from unison.callbacks.schedule import LRFinder, OneCycleScheduler
+from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
+from unison.callbacks.training import GradientAccumulation, GradientClip
+
+__all__ = [
+    "EVENTS",
+    "Callback",
+    "CancelBatchException",
+    "CancelEpochException",
+    "CancelFitException",
+    "CancelTrainException",
+    "CancelValidException",
+    "EarlyStopping",
+    "GradientAccumulation",
+    "GradientClip",
+    "LRFinder",
+    "OneCycleScheduler",
+    "ProgressCallback",
+    "Recorder",
+    "SaveModelCallback",
+    "TrackerCallback",
+]

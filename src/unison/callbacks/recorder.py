@@ -1,0 +1,182 @@
+"""`Recorder`: per-batch losses and LRs, per-epoch values, the printed table and the loss plot."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unison.callbacks.core import Callback
+from unison.metrics import WeightedMean, batch_size_of
+
+
+def format_time(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+class Recorder(Callback):
+    """Records the training run; prints one table row per epoch on rank 0.
+
+    `values` holds `[train_loss, valid_loss, *metrics]` per epoch, `metric_names`
+    the column names, `losses` and `lrs` the per-batch training loss and LR.
+
+    >>> learn.recorder.values[-1]        # last epoch
+    >>> learn.recorder.plot_loss("loss.png")
+    """
+
+    order = 50
+
+    def __init__(self, print_table: bool = True, write: Callable[[str], None] | None = None):
+        self.print_table = print_table
+        self.write = write
+        self.values: list[list[float]] = []
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.last_valid: list[float] = []
+        self.paused = False
+        self._batch_losses: list[torch.Tensor] = []
+        self._header_done = False
+
+    @property
+    def metric_names(self) -> list[str]:
+        return ["epoch", "train_loss", "valid_loss", *(m.name for m in self.learn.metrics), "time"]
+
+    def before_fit(self) -> None:
+        self._header_done = False
+
+    def before_epoch(self) -> None:
+        self._start = time.perf_counter()
+        self._train_value = float("nan")
+        self.last_valid = []
+
+    def before_train(self) -> None:
+        self._train_loss = WeightedMean("train_loss")
+        self._batch_losses = []
+
+    def before_validate(self) -> None:
+        self._valid_loss = WeightedMean("valid_loss")
+        for m in self.learn.metrics:
+            m.reset()
+
+    def after_batch(self) -> None:
+        learn = self.learn
+        if learn.loss is None or self.paused:
+            return
+        n = batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb)
+        if learn.training:
+            self._train_loss.add(learn.loss, n)
+            self._batch_losses.append(learn.loss)  # a tensor: no host sync per batch
+            if learn.opt is not None:
+                self.lrs.append(learn.opt.param_groups[0]["lr"])
+        else:
+            self._valid_loss.add(learn.loss, n)
+            if learn.record_metrics and n:
+                for m in learn.metrics:
+                    m.update(learn.pred, *learn.yb)
+
+    def after_train(self) -> None:
+        if self.paused:
+            return
+        if self._batch_losses:
+            self.losses.extend(torch.stack(self._batch_losses).float().cpu().tolist())
+        self._batch_losses = []
+        self._train_value = self._train_loss.value(self.learn.collective)
+
+    def after_validate(self) -> None:
+        if self.paused:
+            return
+        collective = self.learn.collective
+        values = [self._valid_loss.value(collective)]
+        if self.learn.record_metrics:
+            values += [m.value(collective) for m in self.learn.metrics]
+        self.last_valid = values
+
+    def after_epoch(self) -> None:
+        if self.paused:
+            return
+        elapsed = time.perf_counter() - self._start
+        valid = self.last_valid or [float("nan")] * (1 + len(self.learn.metrics))
+        row = [self._train_value, *valid]
+        self.values.append(row)
+        self.times.append(elapsed)
+        if self.print_table and self.learn.collective.is_main:
+            self._print_row([self.learn.epoch, *row, format_time(elapsed)])
+
+    def _print_row(self, row: list[Any]) -> None:
+        names = self.metric_names
+        widths = [max(len(n), 8) for n in names]
+        if not self._header_done:
+            self._emit("  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)))
+            self._header_done = True
+        cells = [f"{v:.6f}" if isinstance(v, float) else str(v) for v in row]
+        self._emit("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)))
+
+    def _emit(self, line: str) -> None:
+        if self.write is not None:
+            self.write(line)
+            return
+        progress = self.learn.get_cb(_progress_class())
+        if progress is not None and getattr(progress, "active", False):
+            progress.write(line)  # keep live bars intact
+        else:
+            print(line, file=sys.stdout, flush=True)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Record nothing inside the block (`lr_find` uses this)."""
+        previous = self.paused
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = previous
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "times": self.times, "losses": self.losses, "lrs": self.lrs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = [list(v) for v in state["values"]]
+        self.times = list(state["times"])
+        self.losses = list(state["losses"])
+        self.lrs = list(state["lrs"])
+
+    def plot_loss(
+        self, path: str | Path = "loss.png", skip_start: int = 5, with_valid: bool = True
+    ) -> Path | None:
+        """Write a PNG of the training loss per batch (and validation loss per epoch); rank 0 only."""
+        if not self.learn.collective.is_main:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(range(skip_start, len(self.losses)), self.losses[skip_start:], label="train")
+        if with_valid and self.values:
+            per_epoch = len(self.losses) / len(self.values)
+            xs = [per_epoch * (i + 1) for i in range(len(self.values))]
+            ax.plot(xs, [v[1] for v in self.values], marker="o", label="valid")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _progress_class() -> type[Callback]:
+    from unison.callbacks.progress import ProgressCallback
+
+    return ProgressCallback

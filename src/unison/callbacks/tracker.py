@@ -1,0 +1,128 @@
+"""Callbacks that watch a recorded value: early stopping and keeping the best model.
+
+The watched value comes from the recorder, which already reduced it over all ranks;
+the decision itself is still taken on rank 0 and broadcast, so every rank stops (or
+saves) on the same epoch and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from unison.callbacks.core import Callback, CancelFitException
+
+
+class TrackerCallback(Callback):
+    """Tracks `monitor` (`valid_loss`, `train_loss` or a metric name) across epochs."""
+
+    order = 70  # after the Recorder has the epoch's values
+
+    def __init__(
+        self,
+        monitor: str = "valid_loss",
+        comp: Callable[[float, float], bool] | None = None,
+        min_delta: float = 0.0,
+    ):
+        self.monitor = monitor
+        if comp is None:
+            comp = operator.lt if "loss" in monitor or "error" in monitor else operator.gt
+        self.comp = comp
+        self.min_delta = min_delta if comp is operator.gt else -min_delta
+        self.best = math.inf if comp is operator.lt else -math.inf
+
+    def before_fit(self) -> None:
+        names = self.learn.recorder.metric_names[1:-1]
+        if self.monitor not in names:
+            raise ValueError(
+                f"{type(self).__name__}: cannot monitor {self.monitor!r}, recorded values are {names}"
+            )
+        self.index = names.index(self.monitor)
+
+    def improved(self) -> bool:
+        """Did this epoch beat the best so far? (rank 0's answer, on every rank)"""
+        value = self.learn.recorder.values[-1][self.index]
+        better = math.isfinite(value) and self.comp(value - self.min_delta, self.best)
+        better = self.learn.collective.agree(better)
+        if better:
+            self.best = value
+        return better
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+
+
+class EarlyStopping(TrackerCallback):
+    """Stop fitting when `monitor` has not improved for `patience` epochs.
+
+    >>> learn.fit(50, cbs=[EarlyStopping(patience=3)])
+    """
+
+    def __init__(
+        self,
+        monitor: str = "valid_loss",
+        comp: Callable[[float, float], bool] | None = None,
+        min_delta: float = 0.0,
+        patience: int = 1,
+    ):
+        super().__init__(monitor, comp, min_delta)
+        self.patience = patience
+        self.wait = 0
+
+    def before_fit(self) -> None:
+        super().before_fit()
+        self.wait = 0
+
+    def after_epoch(self) -> None:
+        if self.improved():
+            self.wait = 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            if self.learn.collective.is_main:
+                print(
+                    f"No improvement in {self.monitor} for {self.wait} epochs: stopping at epoch "
+                    f"{self.learn.epoch}.",
+                    flush=True,
+                )
+            raise CancelFitException()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait = state["best"], state["wait"]
+
+
+class SaveModelCallback(TrackerCallback):
+    """Save the model whenever `monitor` improves (rank 0 writes), and load the best at the end.
+
+    >>> learn.fit(10, cbs=[SaveModelCallback(monitor="accuracy", fname="best")])
+    """
+
+    def __init__(
+        self,
+        monitor: str = "valid_loss",
+        comp: Callable[[float, float], bool] | None = None,
+        min_delta: float = 0.0,
+        fname: str = "model",
+        with_opt: bool = False,
+        load_best: bool = True,
+    ):
+        super().__init__(monitor, comp, min_delta)
+        self.fname, self.with_opt, self.load_best = fname, with_opt, load_best
+        self.saved = False
+
+    def after_epoch(self) -> None:
+        if self.improved():
+            self.learn.save(self.fname, with_opt=self.with_opt)
+            self.saved = True
+
+    def after_fit(self) -> None:
+        if self.load_best and self.saved:
+            self.learn.load(self.fname, with_opt=self.with_opt)

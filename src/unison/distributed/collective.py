@@ -1,0 +1,104 @@
+"""The few collective operations the training loop needs, on one process or many.
+
+The learner talks to a `Collective`, never to `torch.distributed` directly: on a
+single process every operation is the identity, inside `distrib_ctx` each maps
+onto one torch collective over the process group. This keeps the loop readable
+and makes exactness (reduce state, never average averages) one code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class Collective:
+    """Collectives over `group` (the default process group), or identities when `world_size == 1`.
+
+    >>> c = Collective()            # single process
+    >>> c.sum(torch.tensor(2.0))
+    tensor(2.)
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+        self.active = dist.is_available() and dist.is_initialized() and group is not None
+        self.group = group
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        # NCCL only moves CUDA tensors; gloo only CPU ones.
+        self.device = device or torch.device("cpu")
+        if self.world_size == 1:
+            self.active = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: Tensor) -> Tensor:
+        """Elementwise sum of `t` over all ranks (a new tensor, on `t`'s device)."""
+        if not self.active:
+            return t
+        buf = t.detach().to(self.device, copy=True)
+        dist.all_reduce(buf, group=self.group)
+        return buf.to(t.device)
+
+    def gather_ordered(self, t: Tensor) -> Tensor:
+        """Rows of every rank's `t`, interleaved as `DistributedDL` strided them.
+
+        Row `k` of rank `r` holds global position `r + k * world_size`; the result puts
+        each row back at its global position. Ranks may hold different numbers of rows
+        and different sizes past dim 0 (padded with zeros to the largest).
+        """
+        if not self.active:
+            return t
+        shape = torch.tensor(t.shape, dtype=torch.long, device=self.device)
+        shapes = [torch.empty_like(shape) for _ in range(self.world_size)]
+        dist.all_gather(shapes, shape, group=self.group)
+        sizes = torch.stack(shapes).tolist()
+        if any(len(s) != t.dim() for s in sizes):
+            raise ValueError("gather_ordered: ranks hold tensors with different numbers of dimensions")
+        max_shape = [max(s[d] for s in sizes) for d in range(t.dim())]
+        padded = t.new_zeros(max_shape, device=self.device)
+        padded[tuple(slice(0, n) for n in t.shape)] = t.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        rows = [p[: s[0]] for p, s in zip(parts, sizes, strict=True)]
+        trailing = tuple(slice(0, n) for n in max_shape[1:])
+        total = sum(s[0] for s in sizes)
+        out = t.new_zeros([total, *max_shape[1:]], device=self.device)
+        for r, part in enumerate(rows):
+            out[(slice(r, r + self.world_size * len(part), self.world_size), *trailing)] = part
+        return out.to(t.device)
+
+    def agree(self, decision: bool) -> bool:
+        """Rank 0's `decision`, on every rank: control flow never diverges."""
+        if not self.active:
+            return decision
+        flag = torch.tensor([1 if decision else 0], device=self.device)
+        dist.broadcast(flag, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return bool(flag.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` (picklable), on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(self.group, 0), group=self.group, device=self.device
+        )
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, indexed by rank."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)

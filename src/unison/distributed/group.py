@@ -1,0 +1,145 @@
+"""Joining and leaving the process group, and `rank0_first`.
+
+unison forms a group only when a launcher described one in the environment and
+none exists yet; a group the user's script made (any init method) is used as it
+is and never torn down by unison. Every group unison makes has a timeout well
+below torch's 30 minutes, so a rank that stops answering fails the job instead
+of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from unison.distributed.env import DistribEnv, group_active
+
+T = TypeVar("T")
+
+#: Seconds a collective may wait for the other ranks before failing (torch's default is 1800).
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "UNISON_TIMEOUT"
+
+_created_here = False
+_generation = 0
+# One store per master address, kept for the life of the process: a group made again
+# (two distrib_ctx blocks in one script) rendezvous under a fresh key prefix on the same store.
+_stores: dict[tuple[str, int], dist.Store] = {}
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """`timeout` if given, else `$UNISON_TIMEOUT` (set by `unison launch --timeout`), else the default."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _store(env: DistribEnv, timeout: datetime.timedelta) -> dist.Store:
+    assert env.master_addr is not None and env.master_port is not None
+    key = (env.master_addr, env.master_port)
+    if key not in _stores:
+        # Under torchrun the agent already hosts the store: every worker is a client.
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        _stores[key] = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and not agent_hosts,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    return _stores[key]
+
+
+def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend: str | None = None) -> bool:
+    """Join the process group the environment describes; return True if this call created it.
+
+    gloo without CUDA, NCCL with it (binding `gpu`, default the local rank). A no-op
+    (False) when a group already exists or the process was not launched.
+
+    >>> setup_distrib()       # under `unison launch --nproc 2 script.py`
+    True
+    """
+    global _created_here, _generation
+    cuda = torch.cuda.is_available()
+    if gpu is not None and cuda:
+        torch.cuda.set_device(gpu)
+    if group_active():
+        return False
+    env = DistribEnv.from_environ()
+    if env.world_size == 1 and env.master_port is None:
+        return False  # not launched: one plain process
+    if env.master_addr is None or env.master_port is None:
+        raise RuntimeError(
+            f"this process is rank {env.rank} of {env.world_size} but MASTER_ADDR/MASTER_PORT "
+            "are not set: export them (e.g. the first host of the job) or use unison launch"
+        )
+    if cuda and gpu is None:
+        torch.cuda.set_device(env.local_rank)
+    backend = backend or ("nccl" if cuda else "gloo")
+    wait = datetime.timedelta(seconds=resolve_timeout(timeout))
+    _generation += 1
+    store = dist.PrefixStore(f"unison/{_generation}", _store(env, wait))
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
+    _created_here = True
+    return True
+
+
+def teardown_distrib() -> None:
+    """Leave the default process group, if this process is in one.
+
+    >>> teardown_distrib()
+    """
+    global _created_here
+    if group_active():
+        dist.destroy_process_group()
+    _created_here = False
+
+
+def created_by_unison() -> bool:
+    """True while the live group is one `setup_distrib` made."""
+    return _created_here and group_active()
+
+
+def rank0_first(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run `func(*args, **kwargs)` on rank 0 first, then on the other ranks together.
+
+    For work that must happen once before the others read it (downloads, caches).
+    If rank 0's call raises, the other ranks raise a clear error too instead of
+    waiting. One process outside a launch just calls `func`.
+
+    >>> path = rank0_first(download_dataset, "digits")
+    """
+    setup_distrib()  # rank0_first may run before distrib_ctx; the group stays for it to use
+    if not group_active() or dist.get_world_size() == 1:
+        return func(*args, **kwargs)
+    name = getattr(func, "__qualname__", repr(func))
+    rank = dist.get_rank()
+    status: list[Any] = [None]
+    if rank == 0:
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            status[0] = f"{type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(status, src=0, device=_object_device())
+            raise
+        dist.broadcast_object_list(status, src=0, device=_object_device())
+        return result
+    dist.broadcast_object_list(status, src=0, device=_object_device())
+    if status[0] is not None:
+        raise RuntimeError(f"rank0_first: {name} failed on rank 0 ({status[0]}); rank {rank} did not run it")
+    return func(*args, **kwargs)
+
+
+def _object_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

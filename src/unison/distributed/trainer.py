@@ -1,0 +1,161 @@
+"""The callbacks behind `to_distributed` and `to_parallel`, and torch's wrappers with `reset()`.
+
+`DistributedTrainer` is the whole DDP story in one place: join (or make) the
+process group, convert BatchNorm to synchronised BatchNorm, wrap the model in
+DistributedDataParallel, point the learner's `Collective` at the group (which
+shards every loader and reduces every metric), skip gradient all-reduce on
+accumulation micro-steps; then undo all of it on `restore()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unison.callbacks.core import Callback
+from unison.distributed.collective import Collective
+from unison.distributed.env import group_active
+from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
+
+
+class DataParallel(nn.DataParallel):
+    """torch's `DataParallel`, plus `reset()` for stateful models (RNNs)."""
+
+    def reset(self) -> None:
+        """Call the wrapped model's `reset()`, where it has one."""
+        if hasattr(self.module, "reset"):
+            self.module.reset()
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torch's `DistributedDataParallel`, plus `reset()` for stateful models (RNNs)."""
+
+    def reset(self) -> None:
+        """Call the wrapped model's `reset()`, where it has one."""
+        if hasattr(self.module, "reset"):
+            self.module.reset()
+
+
+class DistributedTrainer(Callback):
+    """Train data-parallel over the launch's processes; `Learner.to_distributed` attaches it.
+
+    `setup()` runs when attached, so `fit`, `validate`, `get_preds` and `lr_find` all run
+    distributed inside `distrib_ctx`; `restore()` puts everything back as it was.
+
+    >>> learn.add_cb(DistributedTrainer(sync_bn=True)).get_cb(DistributedTrainer).setup()
+    """
+
+    order = -10  # after GradientAccumulation decided grad_sync
+
+    def __init__(
+        self,
+        cuda_id: int | None = None,
+        sync_bn: bool = True,
+        timeout: float | None = None,
+        **ddp_kwargs: Any,
+    ):
+        self.cuda_id, self.sync_bn, self.timeout, self.ddp_kwargs = cuda_id, sync_bn, timeout, ddp_kwargs
+        self.created_group = False
+        self.active = False
+        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+
+    def setup(self) -> None:
+        learn = self.learn
+        self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout)
+        self._original_model = learn.model
+        self._original_collective = learn.collective
+        if not group_active() or dist.get_world_size() == 1:
+            return  # one process: nothing to synchronise
+        device = self._device()
+        if device.type == "cuda":
+            learn.model.to(device)
+        model = learn.model
+        if self.sync_bn:
+            model = convert_sync_batchnorm(model)
+        device_ids = [device.index] if device.type == "cuda" else None
+        learn.model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        collective_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        learn.set_collective(Collective(dist.group.WORLD, device=collective_device))
+        # The data order must be the same on every rank: rank 0's seed wins.
+        learn.data_seed = learn.collective.broadcast_object(learn.data_seed)
+        self._check_loaders_agree()
+        self.active = True
+
+    def _device(self) -> torch.device:
+        if dist.get_backend() == "nccl" or self.cuda_id is not None:
+            return torch.device("cuda", torch.cuda.current_device() if self.cuda_id is None else self.cuda_id)
+        return self.learn.device
+
+    def _check_loaders_agree(self) -> None:
+        """Every rank must hold the same data: a loader of different length would desynchronise them."""
+        local = {
+            name: len(dl.dataset) if hasattr(dl.dataset, "__len__") else None
+            for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid))
+            if dl is not None
+        }
+        everyone = self.learn.collective.gather_objects(local)
+        for name in local:
+            sizes = [per_rank.get(name) for per_rank in everyone]
+            if len(set(sizes)) > 1:
+                raise ValueError(
+                    f"the {name} dataset differs across ranks (sizes by rank: {sizes}): every rank "
+                    "must build the same dataset; DistributedDL gives each its share"
+                )
+
+    def before_batch(self) -> None:
+        if self.active and not self.learn.grad_sync and self.learn.training:
+            self._no_sync = self.learn.model.no_sync()
+            self._no_sync.__enter__()
+
+    def after_batch(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+
+    after_cancel_batch = after_batch
+
+    def restore(self) -> None:
+        """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
+        learn = self.learn
+        self.after_batch()
+        if self.active:
+            learn.model = revert_sync_batchnorm(learn.raw_model) if self.sync_bn else learn.raw_model
+            self.active = False
+        else:
+            learn.model = self._original_model
+        learn.set_collective(self._original_collective)
+        if self.created_group:
+            teardown_distrib()
+            self.created_group = False
+
+
+class ParallelTrainer(Callback):
+    """Single-process `DataParallel` over `device_ids`; `Learner.to_parallel` attaches it.
+
+    >>> with learn.parallel_ctx([0, 1]):
+    ...     learn.fit(1)
+    """
+
+    order = -10
+
+    def __init__(self, device_ids: Sequence[int] | None = None):
+        self.device_ids = list(device_ids) if device_ids is not None else None
+
+    def setup(self) -> None:
+        learn = self.learn
+        self._original_model = learn.model
+        if not torch.cuda.is_available():
+            warnings.warn("to_parallel: no CUDA device, training on one CPU process as before", stacklevel=3)
+            return
+        ids = self.device_ids if self.device_ids is not None else list(range(torch.cuda.device_count()))
+        learn.model = DataParallel(learn.model.to(torch.device("cuda", ids[0])), device_ids=ids)
+
+    def restore(self) -> None:
+        self.learn.model = self._original_model

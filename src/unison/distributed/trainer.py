@@ -64,6 +64,7 @@ class DistributedTrainer(Callback):
         self.cuda_id, self.sync_bn, self.timeout, self.ddp_kwargs = cuda_id, sync_bn, timeout, ddp_kwargs
         self.created_group = False
         self.active = False
+        self._converted = False
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def setup(self) -> None:
@@ -71,36 +72,48 @@ class DistributedTrainer(Callback):
         self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout)
         self._original_model = learn.model
         self._original_collective = learn.collective
+        self._converted = False
         if not group_active() or dist.get_world_size() == 1:
             return  # one process: nothing to synchronise
+        try:
+            self._wrap()
+        except BaseException:
+            self.restore()  # a refused setup leaves the learner exactly as it was
+            raise
+        self.active = True
+
+    def _wrap(self) -> None:
+        learn = self.learn
         device = self._device()
+        collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
+        self._check_loaders_agree(collective)
         if device.type == "cuda":
             learn.model.to(device)
         model = learn.model
         if self.sync_bn:
             model = convert_sync_batchnorm(model)
-        device_ids = [device.index] if device.type == "cuda" else None
-        learn.model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
-        collective_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        learn.set_collective(Collective(dist.group.WORLD, device=collective_device))
+            self._converted = True
+        if any(p.requires_grad for p in model.parameters()):
+            device_ids = [device.index] if device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        learn.model = model  # (a model with nothing to train needs no DDP, only sharded data)
+        learn.set_collective(collective)
         # The data order must be the same on every rank: rank 0's seed wins.
-        learn.data_seed = learn.collective.broadcast_object(learn.data_seed)
-        self._check_loaders_agree()
-        self.active = True
+        learn.data_seed = collective.broadcast_object(learn.data_seed)
 
     def _device(self) -> torch.device:
         if dist.get_backend() == "nccl" or self.cuda_id is not None:
             return torch.device("cuda", torch.cuda.current_device() if self.cuda_id is None else self.cuda_id)
         return self.learn.device
 
-    def _check_loaders_agree(self) -> None:
+    def _check_loaders_agree(self, collective: Collective) -> None:
         """Every rank must hold the same data: a loader of different length would desynchronise them."""
         local = {
             name: len(dl.dataset) if hasattr(dl.dataset, "__len__") else None
             for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid))
             if dl is not None
         }
-        everyone = self.learn.collective.gather_objects(local)
+        everyone = collective.gather_objects(local)
         for name in local:
             sizes = [per_rank.get(name) for per_rank in everyone]
             if len(set(sizes)) > 1:
@@ -125,12 +138,12 @@ class DistributedTrainer(Callback):
         """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
         learn = self.learn
         self.after_batch()
-        if self.active:
-            learn.model = revert_sync_batchnorm(learn.raw_model) if self.sync_bn else learn.raw_model
-            self.active = False
-        else:
-            learn.model = self._original_model
+        if self._converted:
+            revert_sync_batchnorm(learn.raw_model)  # in place: the user's model object is kept
+            self._converted = False
+        learn.model = self._original_model
         learn.set_collective(self._original_collective)
+        self.active = False
         if self.created_group:
             teardown_distrib()
             self.created_group = False

@@ -1,0 +1,293 @@
+"""DistributedTrainer on real gloo groups: parity with one process, exact evaluation, one voice."""
+
+import contextlib
+import io
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import (
+    AccumMetric,
+    DataLoaders,
+    EarlyStopping,
+    GradientAccumulation,
+    Learner,
+    accuracy,
+    roc_auc,
+    set_seed,
+)
+from unison.distributed import DistributedDataParallel, SyncBatchNorm, rank0_first
+
+N_TRAIN = 48  # a multiple of W * bs for W = 2 and 3 (bs = 8): no padding in training
+
+
+def _data(n_train=N_TRAIN, n_valid=101, features=6):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_train + n_valid, features, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _bn_model():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _learner(model_fn, bs, valid_bs=16, cbs=(), metrics=(accuracy,)):
+    set_seed(0)  # same init and same data seed on every rank and in the baseline
+    train, valid = _data()
+    dls = DataLoaders(DataLoader(train, batch_size=bs, shuffle=True), DataLoader(valid, batch_size=valid_bs))
+    opt = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    return Learner(dls, model_fn(), nn.CrossEntropyLoss(), opt_func=opt, lr=0.1, metrics=metrics, cbs=cbs)
+
+
+def _weights(learn):
+    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
+
+
+def _parity(model_name, accumulate):
+    model_fn = {"mlp": _mlp, "bn": _bn_model}[model_name]
+    world = dist.get_world_size()
+    extra = (lambda: [GradientAccumulation(2)]) if accumulate else (lambda: [])
+    single = _learner(model_fn, bs=8 * world, cbs=extra())
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(2)
+    multi = _learner(model_fn, bs=8, cbs=extra())
+    with contextlib.redirect_stdout(io.StringIO()), multi.distrib_ctx(sync_bn=True):
+        assert isinstance(multi.model, DistributedDataParallel)
+        if model_name == "bn":
+            assert isinstance(multi.model.module[1], SyncBatchNorm)
+        multi.fit(2)
+    assert type(multi.model[1]) is type(single.model[1])  # unwrapped and reverted on exit
+    a, b = _weights(single), _weights(multi)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_parity_mlp(pool2):
+    assert max(pool2.run(_parity, "mlp", False)) < 1e-5
+
+
+def test_parity_batchnorm_sync_bn_on_cpu(pool2):
+    assert max(pool2.run(_parity, "bn", False)) < 1e-5
+
+
+def test_parity_gradient_accumulation_uses_no_sync(pool2):
+    assert max(pool2.run(_parity, "mlp", True)) < 1e-5
+
+
+def test_parity_three_ranks(pool3):
+    assert max(pool3.run(_parity, "bn", False)) < 1e-5
+
+
+def _exact_eval():
+    auc = AccumMetric(roc_auc, activation=lambda p: p.softmax(-1)[:, 1], name="auc")
+    single = _learner(_mlp, bs=16, metrics=[accuracy, auc])
+    expected = single.validate()
+    preds_1, targets_1 = single.get_preds()
+    multi = _learner(_mlp, bs=16, metrics=[accuracy, auc])
+    with multi.distrib_ctx():
+        got = multi.validate()
+        preds_w, targets_w = multi.get_preds()
+        n_local = multi.dl.n_items
+    _, valid = _data()
+    return {
+        "diff": max(abs(a - b) for a, b in zip(expected, got, strict=True)),
+        "preds_diff": float((preds_1 - preds_w).abs().max()),
+        "targets_in_order": bool(torch.equal(targets_w, valid.tensors[1])),
+        "n": len(preds_w),
+        "padded": n_local * dist.get_world_size() > 101,
+        "auc": got[2],
+    }
+
+
+def test_exact_validation_2_ranks(pool2):
+    for r in pool2.run(_exact_eval):
+        assert r["padded"] and r["n"] == 101 and r["targets_in_order"]
+        assert r["diff"] < 1e-6 and r["preds_diff"] < 1e-6 and 0 < r["auc"] <= 1
+
+
+def test_exact_validation_3_ranks(pool3):
+    results = pool3.run(_exact_eval)
+    for r in results:
+        assert r["padded"] and r["n"] == 101 and r["targets_in_order"]
+        assert r["diff"] < 1e-6 and r["preds_diff"] < 1e-6
+    assert len({r["auc"] for r in results}) == 1
+
+
+def _ragged_preds():
+    """Ranks produce outputs of different widths past dim 0: gathered in order, zero padded."""
+
+    class Ragged(nn.Module):
+        def forward(self, x):
+            width = 2 + dist.get_rank()
+            return x[:, :1].repeat(1, width)
+
+    set_seed(0)
+    valid = TensorDataset(torch.arange(11.0).unsqueeze(1), torch.arange(11))
+    dls = DataLoaders(DataLoader(valid, batch_size=4), DataLoader(valid, batch_size=4))
+    learn = Learner(dls, Ragged(), lambda p, y: p.sum() * 0, default_cbs=False)
+    with learn.distrib_ctx():
+        preds, targets = learn.get_preds()
+    return preds.shape, preds[:, 0].tolist(), targets.tolist()
+
+
+def test_get_preds_with_ragged_outputs(pool2):
+    for shape, first_col, targets in pool2.run(_ragged_preds):
+        assert tuple(shape) == (11, 3)
+        assert first_col == [float(i) for i in range(11)] and targets == list(range(11))
+
+
+def _early_stopping_and_lr_find():
+    learn = _learner(_mlp, bs=8, cbs=[EarlyStopping(monitor="valid_loss", min_delta=10.0, patience=1)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), learn.distrib_ctx():
+        learn.fit(10)
+        epochs = len(learn.recorder.values)
+        before = _weights(learn)
+        lr = learn.lr_find(num_it=20)
+        after = _weights(learn)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    return epochs, lr, unchanged, out.getvalue()
+
+
+def test_early_stopping_and_lr_find_finish_on_all_ranks(pool2):
+    results = pool2.run(_early_stopping_and_lr_find, timeout=60)
+    (e0, lr0, same0, out0), (e1, lr1, same1, out1) = results
+    assert e0 == e1 == 2  # the first epoch sets the best, the second cannot beat it by 10
+    assert lr0 == lr1 > 0 and same0 and same1
+    assert "train_loss" in out0 and out1 == ""  # one voice: the table comes from rank 0 only
+
+
+def _save_load(path):
+    learn = _learner(_mlp, bs=8)
+    learn.path = path
+    with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx():
+        learn.fit(1)
+        file = learn.save("ddp")
+        learn.load("ddp")
+        mtime = os.stat(file).st_mtime_ns
+    return str(file), mtime, _weights(learn)["0.weight"]
+
+
+def test_save_from_rank0_loads_everywhere(pool2, tmp_path):
+    (f0, m0, w0), (f1, m1, w1) = pool2.run(_save_load, tmp_path)
+    assert f0 == f1 and m0 == m1 and torch.equal(w0, w1)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["ddp.pth"]  # no temp files left
+
+
+def _rank0_first_order(path):
+    marker = path / "made_by_rank0"
+
+    def make():
+        if dist.get_rank() == 0:
+            marker.write_text("ok")
+        return marker.read_text()  # other ranks read what rank 0 made
+
+    return rank0_first(make)
+
+
+def test_rank0_first_runs_rank0_before_the_others(pool2, tmp_path):
+    assert pool2.run(_rank0_first_order, tmp_path) == ["ok", "ok"]
+
+
+def _rank0_fails():
+    def download():
+        if dist.get_rank() == 0:
+            raise OSError("disk full")
+        return "should not run"
+
+    try:
+        rank0_first(download)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_rank0_first_failure_reaches_every_rank(pool2):
+    r0, r1 = pool2.run(_rank0_fails, timeout=30)
+    assert r0 == "OSError: disk full"
+    assert r1.startswith("RuntimeError: rank0_first:") and "disk full" in r1 and "failed on rank 0" in r1
+
+
+def _different_data():
+    set_seed(0)
+    n = 32 + 8 * dist.get_rank()
+    ds = TensorDataset(torch.randn(n, 6), torch.zeros(n, dtype=torch.long))
+    learn = Learner(DataLoaders(DataLoader(ds, batch_size=8)), _mlp(), nn.CrossEntropyLoss())
+    try:
+        with learn.distrib_ctx():
+            pass
+    except ValueError as exc:
+        return str(exc), type(learn.model).__name__
+    return "no error", ""
+
+
+def test_dataset_size_differs_across_ranks_is_refused(pool2):
+    for message, model_type in pool2.run(_different_data):
+        assert "train dataset differs across ranks" in message and "[32, 40]" in message
+        assert model_type == "Sequential"  # nothing left wrapped
+
+
+class _Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 2)
+        self.resets = 0
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def reset(self):
+        self.resets += 1
+
+
+def _reset_forwards():
+    learn = _learner(_Stateful, bs=8)
+    with learn.distrib_ctx():
+        learn.model.reset()
+    return learn.model.resets
+
+
+def test_ddp_reset_reaches_the_model(pool2):
+    assert pool2.run(_reset_forwards) == [1, 1]
+
+
+def _own_group_twice():
+    """No group exists: distrib_ctx makes one from the launcher variables, and removes it after."""
+    states = []
+    for _ in range(2):
+        learn = _learner(_bn_model, bs=8)
+        with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx():
+            states.append((dist.is_initialized(), dist.get_world_size()))
+            learn.fit(1)
+        states.append((dist.is_initialized(), type(learn.model[1]).__name__))
+    return states
+
+
+def test_distrib_ctx_makes_and_removes_its_own_group(bare_pool2):
+    for states in bare_pool2.run(_own_group_twice, timeout=60):
+        assert states == [(True, 2), (False, "BatchNorm1d")] * 2
+
+
+def _world_size_one_is_plain():
+    learn = _learner(_mlp, bs=8)
+    with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx():
+        kind = type(learn.model).__name__
+        learn.fit(1)
+    return kind, dist.is_initialized()
+
+
+def test_outside_a_launch_distrib_ctx_is_a_plain_run():
+    env = {
+        k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in os.environ
+    }
+    try:
+        assert _world_size_one_is_plain() == ("Sequential", False)
+    finally:
+        os.environ.update(env)

@@ -40,3 +40,11 @@ def test_group_wins_over_environment(pool2):
     # The pool's workers export RANK/WORLD_SIZE too; a user-made group answers either way.
     assert pool2.run(_ranks_from_group) == [(0, 2), (1, 2)]
     assert free_port() > 0 and not dist.is_initialized()
+
+
+def test_threads_share_the_cores():
+    from unison.distributed.env import threads_per_worker
+
+    assert threads_per_worker(2, cores=16) == 8
+    assert threads_per_worker(3, cores=16) == 5
+    assert threads_per_worker(4, cores=2) == 1

@@ -115,3 +115,25 @@ def local_rank() -> int:
 def is_main_process() -> bool:
     """True on rank 0, the process that prints, plots and writes files."""
     return rank_distrib() == 0
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's or SLURM's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(local_world_size: int, cores: int | None = None) -> int:
+    """Intra-op threads each of `local_world_size` workers on one machine should use.
+
+    The machine's usable cores are shared evenly (at least one each), so N workers
+    neither oversubscribe the CPU (torch's default: every process takes every core)
+    nor idle it (torchrun's blanket `OMP_NUM_THREADS=1`).
+
+    >>> threads_per_worker(2, cores=16)
+    8
+    """
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores // max(1, local_world_size))

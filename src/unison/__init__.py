@@ -14,6 +14,7 @@ from unison.callbacks import (
     CancelFitException,
     CancelTrainException,
     CancelValidException,
+    Checkpoint,
     EarlyStopping,
     GradientAccumulation,
     GradientClip,
@@ -33,7 +34,6 @@ from unison.serialization import CheckpointError
 __version__ = "0.1.0"
 
 __all__ = [
-    "EVENTS",
     "AccumMetric",
     "AvgMetric",
     "Callback",
@@ -42,8 +42,10 @@ __all__ = [
     "CancelFitException",
     "CancelTrainException",
     "CancelValidException",
+    "Checkpoint",
     "CheckpointError",
     "DataLoaders",
+    "EVENTS",
     "EarlyStopping",
     "GradientAccumulation",
     "GradientClip",

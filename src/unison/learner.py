@@ -146,7 +146,7 @@ class Learner:
         self.n_inp = n_inp
         self.opt: torch.optim.Optimizer | None = None
         # The data order of every epoch is a function of this seed (see DistributedDL).
-        self.data_seed = torch.initial_seed() % 2**63
+        self._data_seed = torch.initial_seed() % 2**63
         self.collective = Collective()
         self.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
         self.record_metrics = True
@@ -387,6 +387,16 @@ class Learner:
         sharded.set_epoch(self.epoch)
         return sharded
 
+    @property
+    def data_seed(self) -> int:
+        """The seed of every epoch's data order (with the epoch number); the same on all ranks."""
+        return self._data_seed
+
+    @data_seed.setter
+    def data_seed(self, seed: int) -> None:
+        self._data_seed = seed
+        self._sharded.clear()
+
     def set_collective(self, collective: Collective) -> None:
         """Use `collective` for sharding and reductions (`DistributedTrainer` calls this)."""
         self.collective = collective
@@ -485,10 +495,15 @@ class Learner:
         return self
 
     def _resume(self) -> None:
-        # Resumable checkpoints (the Checkpoint callback) are not part of this release yet.
-        raise NotImplementedError(
-            "fit(resume=True) needs the Checkpoint callback, which is not available yet"
-        )
+        from unison.callbacks.checkpoint import Checkpoint
+
+        ckpt = self.get_cb(Checkpoint)
+        if not isinstance(ckpt, Checkpoint):
+            raise ValueError(
+                "fit(resume=True) needs a Checkpoint callback (cbs=[Checkpoint()]) that says "
+                "where checkpoints are"
+            )
+        ckpt.restore_latest()  # no checkpoint yet: start fresh
 
     def snapshot(self) -> dict[str, Any]:
         """Deep copies of the model and optimizer state, for `restore` (kept in memory)."""

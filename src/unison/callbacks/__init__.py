@@ -1,5 +1,6 @@
 """Callbacks: one concern each, run by the `Learner` at its named events."""
 
+from unison.callbacks.checkpoint import Checkpoint
 from unison.callbacks.core import (
     EVENTS,
     Callback,
@@ -16,13 +17,14 @@ from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCa
 from unison.callbacks.training import GradientAccumulation, GradientClip
 
 __all__ = [
-    "EVENTS",
     "Callback",
     "CancelBatchException",
     "CancelEpochException",
     "CancelFitException",
     "CancelTrainException",
     "CancelValidException",
+    "Checkpoint",
+    "EVENTS",
     "EarlyStopping",
     "GradientAccumulation",
     "GradientClip",

@@ -44,6 +44,10 @@ class Recorder(Callback):
         self.paused = False
         self._batch_losses: list[torch.Tensor] = []
         self._header_done = False
+        self._pending_partial: dict[str, Any] | None = None
+        # Which phases our `before_*` opened: a callback of lower order may cancel a phase
+        # before we saw it begin, and its `after_*` must not report a previous phase's values.
+        self._open: set[str] = set()
 
     @property
     def metric_names(self) -> list[str]:
@@ -53,15 +57,22 @@ class Recorder(Callback):
         self._header_done = False
 
     def before_epoch(self) -> None:
+        self._open.add("epoch")
         self._start = time.perf_counter()
         self._train_value = float("nan")
         self.last_valid = []
 
     def before_train(self) -> None:
+        self._open.add("train")
         self._train_loss = WeightedMean("train_loss")
         self._batch_losses = []
+        if self._pending_partial is not None:  # resuming mid-epoch: carry the sums so far
+            partial, self._pending_partial = self._pending_partial, None
+            self._train_loss.total, self._train_loss.count = partial["total"], partial["count"]
+            self._batch_losses = list(partial["batch_losses"])
 
     def before_validate(self) -> None:
+        self._open.add("validate")
         self._valid_loss = WeightedMean("valid_loss")
         for m in self.learn.metrics:
             m.reset()
@@ -83,7 +94,7 @@ class Recorder(Callback):
                     m.update(learn.pred, *learn.yb)
 
     def after_train(self) -> None:
-        if self.paused:
+        if self.paused or not self._closes("train"):
             return
         if self._batch_losses:
             self.losses.extend(torch.stack(self._batch_losses).float().cpu().tolist())
@@ -91,6 +102,9 @@ class Recorder(Callback):
         self._train_value = self._train_loss.value(self.learn.collective)
 
     def after_validate(self) -> None:
+        if not self._closes("validate"):
+            self.last_valid = []  # cancelled before it began: nothing was measured
+            return
         if self.paused:
             return
         collective = self.learn.collective
@@ -100,6 +114,9 @@ class Recorder(Callback):
         self.last_valid = values
 
     def after_epoch(self) -> None:
+        if not self._closes("epoch"):
+            self.before_epoch()  # cancelled before it began: a row of NaN, not the last epoch's
+            self._open.discard("epoch")
         if self.paused:
             return
         elapsed = time.perf_counter() - self._start
@@ -109,6 +126,12 @@ class Recorder(Callback):
         self.times.append(elapsed)
         if self.print_table and self.learn.collective.is_main:
             self._print_row([self.learn.epoch, *row, format_time(elapsed)])
+
+    def _closes(self, phase: str) -> bool:
+        """Whether `phase` was opened by our `before_*` (and mark it closed)."""
+        opened = phase in self._open
+        self._open.discard(phase)
+        return opened
 
     def _print_row(self, row: list[Any]) -> None:
         names = self.metric_names
@@ -138,6 +161,29 @@ class Recorder(Callback):
             yield
         finally:
             self.paused = previous
+
+    def partial_state(self) -> dict[str, Any]:
+        """The running train-loss sums of an epoch in progress, of every rank (a collective)."""
+        own = torch.stack([self._train_loss.total.float().cpu(), self._train_loss.count.float().cpu()])
+        losses = torch.stack(self._batch_losses).float().cpu() if self._batch_losses else torch.zeros(0)
+        return {"sums": self.learn.collective.gather_objects(own), "batch_losses": losses}
+
+    def resume_partial(self, partial: dict[str, Any] | None, rank: int, world_size: int) -> None:
+        """Carry `partial_state()` into the next training phase. On as many ranks as before each
+        takes its own sums (bit-exact); otherwise rank 0 takes them all, so their reduction over
+        ranks is the same whatever the number of processes."""
+        if partial is None:
+            self._pending_partial = None
+            return
+        sums = partial["sums"]
+        if len(sums) == world_size:
+            total, count = sums[rank]
+        elif rank == 0:
+            total, count = torch.stack(sums).sum(0)
+        else:
+            total, count = torch.zeros(()), torch.zeros(())
+        losses = partial["batch_losses"] if rank == 0 else torch.zeros(0)
+        self._pending_partial = {"total": total, "count": count, "batch_losses": losses}
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self.values, "times": self.times, "losses": self.losses, "lrs": self.lrs}

@@ -61,8 +61,8 @@ class GradientAccumulation(Callback):
         if not self._step_now:
             raise CancelBatchException()  # keep the gradients, skip step and zero_grad
 
-    def after_batch(self) -> None:
-        self.learn.grad_sync = True
+    def after_train(self) -> None:
+        self.learn.grad_sync = True  # validation and other loops always "step"
 
     def after_fit(self) -> None:
         self.learn.grad_sync = True

@@ -1,0 +1,147 @@
+"""`Checkpoint`: resumable snapshots of a whole run, and `fit(resume=True)` behind them.
+
+A checkpoint holds what continuing needs to land on the very weights an
+uninterrupted run reaches: model, optimizer, every callback's state (recorder
+included), the data-order seed, the position (epoch, and samples consumed this
+epoch), and the RNG states of every rank. Rank 0 writes it atomically (temp file,
+fsync, rename: the previous checkpoint stays whole until the new one is), every
+rank reads it with `weights_only=True`.
+
+The position is kept in *samples*, not batches, so a run made on 2 processes at
+batch b resumes on 1 process at batch 2b at the same point of the same data order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from unison.callbacks.core import Callback
+from unison.rng import get_rng_state, set_rng_state
+from unison.serialization import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointError,
+    atomic_save,
+    check_state_fits,
+    safe_load,
+)
+
+
+class Checkpoint(Callback):
+    """Save a resumable checkpoint every `every` training steps and at each epoch's end.
+
+    The file is `learn.path / learn.model_dir / f"{fname}.pth"`; `learn.fit(n, resume=True)`
+    continues from it (or starts fresh when there is none).
+
+    >>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
+    >>> learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
+    """
+
+    order = 90  # after the recorder and trackers have settled this batch's / epoch's state
+
+    def __init__(self, every: int | None = None, fname: str = "checkpoint"):
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"Checkpoint: every must be a positive int or None, got {every!r}")
+        self.every, self.fname = every, fname
+        self.saves = 0
+
+    @property
+    def file(self) -> Path:
+        return self.learn.path / self.learn.model_dir / f"{self.fname}.pth"
+
+    def after_batch(self) -> None:
+        learn = self.learn
+        # Only after a real optimizer step: mid-accumulation gradients are not saved.
+        if not learn.training or self.every is None or not learn.grad_sync:
+            return
+        if (learn.iter + 1) % self.every == 0:
+            self.save(learn.epoch, learn.iter + 1)
+
+    def after_epoch(self) -> None:
+        self.save(self.learn.epoch + 1, 0)
+
+    def _global_batch(self) -> int:
+        learn = self.learn
+        bs = learn.dls.train.batch_size
+        if bs is None:
+            raise CheckpointError("Checkpoint needs a train loader with a batch_size to record its position")
+        return bs * learn.collective.world_size
+
+    def save(self, epoch: int, batches_done: int) -> Path:
+        """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
+        learn = self.learn
+        collective = learn.collective
+        rng_states = collective.gather_objects(get_rng_state())
+        recorder_partial = learn.recorder.partial_state() if batches_done else None
+        if collective.is_main:
+            assert learn.opt is not None
+            state: dict[str, Any] = {
+                FORMAT_KEY: FORMAT_VERSION,
+                "kind": "checkpoint",
+                "model": learn.raw_model.state_dict(),
+                "opt": learn.opt.state_dict(),
+                "epoch": epoch,
+                "samples_done": batches_done * self._global_batch(),
+                "global_batch": self._global_batch(),
+                "world_size": collective.world_size,
+                "data_seed": learn.data_seed,
+                "rng": rng_states,
+                "recorder": learn.recorder.state_dict(),
+                "recorder_partial": recorder_partial,
+                "callbacks": self._callback_states(),
+            }
+            atomic_save(state, self.file)
+        self.saves += 1
+        return self.file
+
+    def _keys(self) -> list[tuple[str, Callback]]:
+        """A stable name for each stateful callback: class name and its index among its kind."""
+        seen: Counter[str] = Counter()
+        keys = []
+        for cb in self.learn.cbs:
+            if cb is self or cb is self.learn.recorder:
+                continue
+            name = type(cb).__name__
+            keys.append((f"{name}:{seen[name]}", cb))
+            seen[name] += 1
+        return keys
+
+    def _callback_states(self) -> dict[str, dict[str, Any]]:
+        return {key: cb.state_dict() for key, cb in self._keys() if cb.state_dict()}
+
+    def restore_latest(self) -> bool:
+        """Load the checkpoint into the learner and set where `fit` continues; False if there is none."""
+        if not self.file.exists():
+            return False
+        learn = self.learn
+        state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
+        check_state_fits(learn.raw_model, state["model"], self.file)
+        global_batch = self._global_batch()
+        samples = state["samples_done"]
+        if samples % global_batch:
+            raise CheckpointError(
+                f"{self.file} stopped {samples} samples into epoch {state['epoch']}, not a whole number "
+                f"of global batches of {global_batch} (batch_size x processes): resume with the global batch "
+                f"of the interrupted run ({state['global_batch']})"
+            )
+        # Everything is checked: now change the learner.
+        learn.raw_model.load_state_dict(state["model"])
+        if learn.opt is None:
+            learn.create_opt()
+        assert learn.opt is not None
+        learn.opt.load_state_dict(state["opt"])
+        learn.data_seed = state["data_seed"]
+        learn.recorder.load_state_dict(state["recorder"])
+        learn.recorder.resume_partial(
+            state["recorder_partial"], learn.collective.rank, learn.collective.world_size
+        )
+        for key, cb in self._keys():
+            if key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][key])
+        rank = learn.collective.rank
+        rng = state["rng"]
+        set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])
+        learn.start_epoch, learn.start_iter = state["epoch"], samples // global_batch
+        return True

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
+import re
+import secrets
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,10 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Not tempfile.mkstemp: its files are private (0600) and the rename would keep that mode.
+    # O_EXCL with mode 0666 gives the permissions of a plain open() under the user's umask.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -59,12 +63,18 @@ def safe_load(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at {path}")
+    if not zipfile.is_zipfile(path):
+        # torch.save writes a zip archive whose directory is at the very end: any cut loses it.
+        # (Without this check a file cut to a few bytes is read as a legacy pickle and
+        # misreported as holding unsafe objects.)
+        raise CheckpointError(
+            f"{path} is damaged or truncated (not a complete zip archive, {path.stat().st_size} bytes)"
+        )
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path} holds objects that are not plain tensors or values, refused: {first}"
+            f"{path} holds objects that are not plain tensors or values, refused: {_unpickling_reason(exc)}"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -78,6 +88,16 @@ def safe_load(
     if kind is not None and obj.get("kind") != kind:
         raise CheckpointError(f"{path} is a '{obj.get('kind')}' file, expected '{kind}'")
     return obj
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    """The line of torch's weights-only error that names what was refused, without terminal codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    if found:
+        return found.group(1).split(" Please use ")[0].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def check_state_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:

@@ -31,7 +31,8 @@ class TrackerCallback(Callback):
             comp = operator.lt if "loss" in monitor or "error" in monitor else operator.gt
         self.comp = comp
         self.min_delta = min_delta if comp is operator.gt else -min_delta
-        self.best = math.inf if comp is operator.lt else -math.inf
+        self._worst = math.inf if comp is operator.lt else -math.inf
+        self.best = self._worst
 
     def before_fit(self) -> None:
         names = self.learn.recorder.metric_names[1:-1]
@@ -40,6 +41,19 @@ class TrackerCallback(Callback):
                 f"{type(self).__name__}: cannot monitor {self.monitor!r}, recorded values are {names}"
             )
         self.index = names.index(self.monitor)
+        if self.fresh_fit():
+            self.best = self._worst
+
+    def fresh_fit(self) -> bool:
+        """A fit from its start tracks afresh; one resumed from a checkpoint keeps the restored state.
+
+        A fit the recorder does not record (`lr_find`'s sweep) is not tracked at all.
+        """
+        return self.tracking() and self.learn.start_epoch == 0 and self.learn.start_iter == 0
+
+    def tracking(self) -> bool:
+        """Whether epochs are being recorded: while the recorder is paused, there is no new value."""
+        return not self.learn.recorder.paused
 
     def improved(self) -> bool:
         """Did this epoch beat the best so far? (rank 0's answer, on every rank)"""
@@ -76,9 +90,12 @@ class EarlyStopping(TrackerCallback):
 
     def before_fit(self) -> None:
         super().before_fit()
-        self.wait = 0
+        if self.fresh_fit():
+            self.wait = 0
 
     def after_epoch(self) -> None:
+        if not self.tracking():
+            return
         if self.improved():
             self.wait = 0
             return
@@ -118,11 +135,22 @@ class SaveModelCallback(TrackerCallback):
         self.fname, self.with_opt, self.load_best = fname, with_opt, load_best
         self.saved = False
 
+    def before_fit(self) -> None:
+        super().before_fit()
+        if self.fresh_fit():
+            self.saved = False
+
     def after_epoch(self) -> None:
-        if self.improved():
+        if self.tracking() and self.improved():
             self.learn.save(self.fname, with_opt=self.with_opt)
             self.saved = True
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "saved": self.saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.saved = state["best"], state.get("saved", False)
+
     def after_fit(self) -> None:
-        if self.load_best and self.saved:
+        if self.load_best and self.saved and self.tracking():
             self.learn.load(self.fname, with_opt=self.with_opt)

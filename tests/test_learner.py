@@ -764,3 +764,18 @@ def test_a_model_without_data_fails_clearly_before_any_step():
 def test_recorder_is_the_learners():
     learn = make_learner()
     assert isinstance(learn.recorder, Recorder) and learn.get_cb(Recorder) is learn.recorder
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="learner bug: validate() reads the Recorder, which default_cbs=False leaves detached: "
+    "it returns [] instead of the loss and metrics",
+)
+def test_validate_without_default_callbacks():
+    learn = make_learner(default_cbs=False, metrics=[accuracy])
+    xv, yv = learn.dls.valid.dataset.tensors
+    loss, acc = learn.validate()
+    with torch.no_grad():
+        out = learn.model(xv)
+    assert loss == pytest.approx(F.cross_entropy(out, yv).item(), rel=1e-6)
+    assert acc == pytest.approx((out.argmax(-1) == yv).float().mean().item(), abs=1e-7)

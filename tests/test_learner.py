@@ -304,11 +304,6 @@ def test_cancel_batch_in_before_batch_skips_forward():
     assert log.events.count("after_step") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="learner bug: learn.loss is not reset per batch, so the Recorder records the previous "
-    "batch's loss again for a batch cancelled before its forward pass",
-)
 def test_a_batch_cancelled_before_its_forward_pass_is_not_recorded():
     learn = make_learner(cbs=[_skip_second_train_batch()])
     learn.fit(1)
@@ -748,11 +743,6 @@ def test_batch_on_another_device_than_the_model_fails_before_any_step(tmp_path):
     assert_same_weights(before, weights(learn.model))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="learner bug: a model on the meta device trains on meta tensors and fails late in the "
-    "Recorder with NotImplementedError instead of a clear RuntimeError before any step",
-)
 def test_a_model_without_data_fails_clearly_before_any_step():
     log = EventLog()
     learn = make_learner(model=nn.Linear(4, 2).to("meta"), cbs=[log])
@@ -766,11 +756,6 @@ def test_recorder_is_the_learners():
     assert isinstance(learn.recorder, Recorder) and learn.get_cb(Recorder) is learn.recorder
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="learner bug: validate() reads the Recorder, which default_cbs=False leaves detached: "
-    "it returns [] instead of the loss and metrics",
-)
 def test_validate_without_default_callbacks():
     learn = make_learner(default_cbs=False, metrics=[accuracy])
     xv, yv = learn.dls.valid.dataset.tensors

@@ -321,6 +321,7 @@ class Learner:
                 self.pct_train = self.train_iter / max(1, self.n_epoch * self.n_iter)
             batch = to_device(batch, self._device, non_blocking=True)
             self._split_batch(batch)
+            self.pred = self.loss = self.loss_grad = None  # a skipped batch must not report the last one
             self._with_events(self._do_one_batch, "batch", CancelBatchException)
 
     def _split_batch(self, batch: Any) -> None:
@@ -366,6 +367,11 @@ class Learner:
 
     def _check_devices(self) -> None:
         self._devices_checked = True
+        if self._device.type == "meta":
+            raise RuntimeError(
+                "the model's parameters are on the meta device (no data): materialise it with "
+                "model.to_empty(device=...) and initialise or load its weights before training"
+            )
         for t in tensors_in((self.xb, self.yb)):
             if t.device != self._device:
                 raise RuntimeError(
@@ -409,18 +415,21 @@ class Learner:
         Exact on any number of processes: padding is never scored and metric state,
         not per-batch averages, is reduced.
         """
-        self._do_epoch_validate(dl)
+        with self.added_cbs([] if self.recorder in self.cbs else [self.recorder]):
+            self._do_epoch_validate(dl)
         return list(self.recorder.last_valid)
 
     def get_preds(self, dl: DataLoader | None = None) -> tuple[Tensor, Tensor | None]:
         """`(preds, targets)` for every sample of `dl` exactly once, in the loader's order, on every rank."""
         collector = _PredsCollector()
         self.record_metrics = False
+        last_valid = self.recorder.last_valid
         try:
             with self.added_cbs([collector]):
                 self._do_epoch_validate(dl)
         finally:
             self.record_metrics = True
+            self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
         preds = self.collective.gather_ordered(_cat_padded(collector.preds))
         targets = (
             self.collective.gather_ordered(_cat_padded(collector.targets)) if collector.targets else None
@@ -589,8 +598,17 @@ class Learner:
         >>> with learn.distrib_ctx():
         ...     learn.fit(3)
         """
+        from unison.distributed.trainer import DistributedTrainer
+
         self.to_distributed(cuda_id, sync_bn=sync_bn, timeout=timeout, **ddp_kwargs)
         try:
             yield self
+        except Exception as exc:
+            # A collective that failed because another rank stopped: say which one.
+            trainer = self.get_cb(DistributedTrainer)
+            stalled = trainer.diagnose() if isinstance(trainer, DistributedTrainer) else None
+            if stalled is not None:
+                raise stalled from exc
+            raise
         finally:
             self.detach_distributed()

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import (
     AccumMetric,
+    Callback,
     DataLoaders,
     EarlyStopping,
     GradientAccumulation,
@@ -291,3 +293,29 @@ def test_outside_a_launch_distrib_ctx_is_a_plain_run():
         assert _world_size_one_is_plain() == ("Sequential", False)
     finally:
         os.environ.update(env)
+
+
+class _SleepInStep(Callback):
+    """Rank 1 stalls inside a training step (user code stuck) at its third batch."""
+
+    def before_backward(self):
+        if dist.get_rank() == 1 and self.learn.iter == 2:
+            time.sleep(7)  # longer than the group timeout (4 s)
+
+
+def _stalled_rank():
+    learn = _learner(_mlp, bs=8, cbs=[_SleepInStep()])
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx(timeout=4):
+            learn.fit(1)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), getattr(exc, "rank", None), time.monotonic() - start
+    return "no error", "", None, time.monotonic() - start
+
+
+def test_a_stalled_rank_is_named_within_the_timeout(bare_pool2):
+    (kind, message, rank, elapsed), _ = bare_pool2.run(_stalled_rank, timeout=60)
+    assert kind == "RankStalledError" and rank == 1, message
+    assert "rank 1 stopped taking part" in message and "training batch 2" in message
+    assert elapsed < 4 + 6  # the group's timeout, plus the diagnosis

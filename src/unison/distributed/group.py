@@ -104,6 +104,11 @@ def teardown_distrib() -> None:
     _created_here = False
 
 
+def group_generation() -> int:
+    """How many groups `setup_distrib` made in this process (0: the live group is the user's)."""
+    return _generation if _created_here else 0
+
+
 def created_by_unison() -> bool:
     """True while the live group is one `setup_distrib` made."""
     return _created_here and group_active()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,8 +22,9 @@ from torch import nn
 from unison.callbacks.core import Callback
 from unison.distributed.collective import Collective
 from unison.distributed.env import group_active
-from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.group import resolve_timeout, setup_distrib, teardown_distrib
 from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
+from unison.distributed.watchdog import RankStalledError, Watchdog
 
 
 class DataParallel(nn.DataParallel):
@@ -52,7 +54,10 @@ class DistributedTrainer(Callback):
     >>> learn.add_cb(DistributedTrainer(sync_bn=True)).get_cb(DistributedTrainer).setup()
     """
 
-    order = -10  # after GradientAccumulation decided grad_sync
+    # Last: it reads grad_sync after GradientAccumulation set it, and marks "entering the
+    # collective" only after every other callback's `before_backward` ran (a stall in one of
+    # those must show as this rank lagging).
+    order = 1000
 
     def __init__(
         self,
@@ -65,6 +70,8 @@ class DistributedTrainer(Callback):
         self.created_group = False
         self.active = False
         self._converted = False
+        self.watchdog: Watchdog | None = None
+        self._barrier_group: dist.ProcessGroup | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def setup(self) -> None:
@@ -100,6 +107,10 @@ class DistributedTrainer(Callback):
         learn.set_collective(collective)
         # The data order must be the same on every rank: rank 0's seed wins.
         learn.data_seed = collective.broadcast_object(learn.data_seed)
+        # monitored_barrier names the ranks that miss it, but exists only on gloo.
+        self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.watchdog = Watchdog(resolve_timeout(self.timeout))
+        self.watchdog.start()
 
     def _device(self) -> torch.device:
         if dist.get_backend() == "nccl" or self.cuda_id is not None:
@@ -122,10 +133,39 @@ class DistributedTrainer(Callback):
                     "must build the same dataset; DistributedDL gives each its share"
                 )
 
+    def before_epoch(self) -> None:
+        if self.active:
+            # Everyone reaches each epoch, or the job fails naming who did not.
+            wait = timedelta(seconds=resolve_timeout(self.timeout))
+            dist.monitored_barrier(group=self._barrier_group, timeout=wait, wait_all_ranks=True)
+
+    def _at(self, stage: int) -> None:
+        if self.watchdog is not None:
+            learn = self.learn
+            self.watchdog.progress(learn.epoch, 0 if learn.training else 1, learn.iter, stage)
+
     def before_batch(self) -> None:
-        if self.active and not self.learn.grad_sync and self.learn.training:
+        if not self.active:
+            return
+        self._at(0)
+        assert self.watchdog is not None
+        self.watchdog.arm()
+        if not self.learn.grad_sync and self.learn.training and hasattr(self.learn.model, "no_sync"):
             self._no_sync = self.learn.model.no_sync()
             self._no_sync.__enter__()
+
+    def before_backward(self) -> None:
+        self._at(1)
+
+    def after_step(self) -> None:
+        self._at(2)
+
+    def diagnose(self) -> RankStalledError | None:
+        """After a failed collective: the rank that stopped taking part, if another one did."""
+        if self.watchdog is None:
+            return None
+        found = self.watchdog.diagnose()
+        return found if found is not None and found.rank != dist.get_rank() else None
 
     def after_batch(self) -> None:
         if self._no_sync is not None:
@@ -138,6 +178,12 @@ class DistributedTrainer(Callback):
         """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
         learn = self.learn
         self.after_batch()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self._barrier_group is not None:
+            dist.destroy_process_group(self._barrier_group)
+            self._barrier_group = None
         if self._converted:
             revert_sync_batchnorm(learn.raw_model)  # in place: the user's model object is kept
             self._converted = False

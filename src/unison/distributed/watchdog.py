@@ -1,0 +1,151 @@
+"""Naming the rank that stopped taking part, instead of hanging or blaming a bystander.
+
+When one rank stalls (stuck in user code, stopped, dead without its socket closing),
+the others fail in their next collective after the group's timeout with an error
+that does not say who is missing. The `Watchdog` makes that failure useful:
+
+- each rank publishes its progress (epoch, batch, time) to the job's rendezvous store
+  from a background thread, so the training loop pays only a tuple assignment a batch;
+- a failed collective is diagnosed from those heartbeats: the rank whose progress lags
+  the others (or whose heartbeat went silent) is named;
+- `faulthandler` dumps the stuck rank's own Python stacks to its stderr (its log) once
+  a batch has taken longer than the timeout, so the user sees *where* it is stuck.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from unison.distributed.env import DistribEnv
+from unison.distributed.group import group_generation
+
+
+class RankStalledError(RuntimeError):
+    """A collective failed because another rank stopped taking part; the message names it."""
+
+    def __init__(self, message: str, rank: int | None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class Watchdog:
+    """Heartbeats and stack dumps for one rank of a job.
+
+    >>> dog = Watchdog(timeout=60.0); dog.start()
+    >>> dog.progress(epoch, batch)       # once per batch: cheap
+    >>> dog.diagnose()                   # after a collective failed: who stopped?
+    """
+
+    def __init__(self, timeout: float, interval: float = 1.0):
+        self.timeout, self.interval = timeout, interval
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # (epoch, phase: 0 train / 1 valid, batch, stage: 0 started / 1 in backward / 2 stepped)
+        self._progress: tuple[int, int, int, int] = (0, 0, -1, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store = self._connect()
+        # Scoped to this group: a later group (or an elastic restart) on the same store starts clean.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"unison/heartbeat/{restart}/{group_generation()}/"
+
+    @staticmethod
+    def _connect() -> dist.Store | None:
+        """A client of the job's rendezvous store of its own (the heartbeat thread must not share one)."""
+        env = DistribEnv.from_environ()
+        if env.master_addr is None or env.master_port is None:
+            return None  # a group made by tcp:// or file:// init: no store we can reach
+        try:
+            return dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=5),
+                wait_for_workers=False,
+            )
+        except Exception:  # a diagnostic aid must never break training
+            return None
+
+    def start(self) -> None:
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._beat, name="unison-heartbeat", daemon=True)
+            self._thread.start()
+
+    def progress(self, epoch: int, phase: int, batch: int, stage: int) -> None:
+        """Record where this rank is: a tuple assignment, the heartbeat thread does the rest."""
+        self._progress = (epoch, phase, batch, stage)
+
+    def arm(self) -> None:
+        """Dump this rank's stacks if the batch now starting outlasts the timeout."""
+        try:
+            faulthandler.dump_traceback_later(self.timeout, repeat=False, file=sys.__stderr__)
+        except (ValueError, AttributeError, OSError):  # no real stderr (embedded): no dump
+            pass
+
+    def stop(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval)
+
+    def _beat(self) -> None:
+        assert self._store is not None
+        while not self._stop.is_set():
+            beat = json.dumps({"t": time.time(), "at": list(self._progress), "pid": os.getpid()})
+            try:
+                self._store.set(f"{self._prefix}{self.rank}", beat)
+            except Exception:
+                return  # the store is gone: the job is ending
+            self._stop.wait(self.interval)
+
+    def diagnose(self) -> RankStalledError | None:
+        """The rank that stopped taking part, from everyone's heartbeats (None if it cannot tell)."""
+        if self._store is None:
+            return None
+        now, beats = time.time(), {}
+        for rank in range(self.world_size):
+            try:
+                if self._store.check([f"{self._prefix}{rank}"]):
+                    beats[rank] = json.loads(self._store.get(f"{self._prefix}{rank}"))
+            except Exception:
+                return None
+        never = [r for r in range(self.world_size) if r not in beats]
+        if never:
+            return RankStalledError(
+                f"rank {never[0]} never reported progress: it did not start training "
+                "or died before its first batch",
+                never[0],
+            )
+        silent = [r for r, b in beats.items() if now - b["t"] > 3 * self.interval + 2]
+        if silent:
+            r = silent[0]
+            return RankStalledError(
+                f"rank {r} stopped taking part: no heartbeat for {now - beats[r]['t']:.0f} s "
+                f"(process dead or frozen), last at {_where(beats[r]['at'])}",
+                r,
+            )
+        positions = {r: tuple(b["at"]) for r, b in beats.items()}
+        lagging = min(positions, key=lambda r: positions[r])
+        ahead = max(positions.values())
+        if positions[lagging] < ahead:
+            return RankStalledError(
+                f"rank {lagging} stopped taking part: stuck at {_where(positions[lagging])} while others "
+                f"reached {_where(ahead)} (its Python stacks are dumped to its stderr)",
+                lagging,
+            )
+        return None
+
+
+def _where(at: list[int] | tuple[int, ...]) -> str:
+    epoch, phase, batch, stage = at
+    return (
+        f"epoch {epoch} {'training' if phase == 0 else 'validation'} batch {batch} "
+        f"({('before backward', 'in backward', 'after step')[stage]})"
+    )

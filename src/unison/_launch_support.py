@@ -1,0 +1,287 @@
+"""Helpers of `unison launch`: network checks, per-rank console output, the failure summary.
+
+Nothing here supervises a process or forms a rendezvous (torch's elastic agent does both):
+this module decides which interface gloo uses, checks a port before anything starts, tells
+torch where each rank's output goes, and turns torch's `ChildFailedError` into one summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+
+class LaunchError(ValueError):
+    """Bad launch options or environment, found before any process starts (one readable line)."""
+
+
+# ---- network -----------------------------------------------------------------------------------
+def resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    """`host`'s first address (IPv4 preferred), or a `LaunchError` saying it does not resolve.
+
+    >>> resolve("127.0.0.1")
+    (<AddressFamily.AF_INET: 2>, '127.0.0.1')
+    """
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise LaunchError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    family, *_, sockaddr = infos[0]
+    return family, str(sockaddr[0])
+
+
+def route_source(host: str, port: int = 9) -> str | None:
+    """The local address this machine would use to reach `host` (a UDP `connect`: no packet is sent)."""
+    try:
+        family, addr = resolve(host)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return str(s.getsockname()[0])
+    except (OSError, LaunchError):
+        return None
+
+
+def _ioctl_ipv4(name: str) -> str | None:
+    import fcntl
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Each network interface's addresses: `ip -o addr` where available, else SIOCGIFADDR (IPv4)."""
+    found: dict[str, list[str]] = {}
+    try:
+        out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():  # "2: eth0    inet 10.0.0.5/24 brd ..."
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
+                found.setdefault(parts[1].split("@")[0], []).append(parts[3].split("/")[0])
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not found and hasattr(socket, "if_nameindex"):
+        for _, name in socket.if_nameindex():
+            addr = _ioctl_ipv4(name)
+            if addr:
+                found.setdefault(name, []).append(addr)
+    return found
+
+
+def interface_for(host: str) -> tuple[str, str] | None:
+    """`(interface name, local address)` that routes to `host`: what gloo should bind to.
+
+    >>> interface_for("127.0.0.1")
+    ('lo', '127.0.0.1')
+    """
+    source = route_source(host)
+    if source is None:
+        return None
+    for name, addrs in interface_addresses().items():
+        if source in addrs:
+            return name, source
+    return None
+
+
+def default_route_interface() -> tuple[str, str] | None:
+    """`(name, address)` of the interface of the IPv4 default route (read from /proc; no traffic)."""
+    try:
+        lines = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == "00000000":
+            addrs = interface_addresses().get(fields[0], [])
+            return fields[0], (addrs[0] if addrs else "?")
+    return None
+
+
+def port_in_use(port: int) -> bool:
+    """True when a TCP server already listens on `port` on this machine (tried by binding it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # like TCPStore: TIME_WAIT is no conflict
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+@contextlib.contextmanager
+def exported(env: dict[str, str]) -> Iterator[None]:
+    """Export `env` for the duration of the block (torch's agent passes os.environ to workers)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def quiet_torch_logs(verbose: bool) -> None:
+    """torch's agent logs every step at WARNING/ERROR; the summary says what matters."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.INFO if verbose else logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        if verbose:
+            logger.setLevel(logging.INFO)
+
+
+# ---- console output ----------------------------------------------------------------------------
+class RankLogsSpecs(LogsSpecs):
+    """Where torch's agent sends each worker's output: files per rank, tailed to the console.
+
+    Every rank's stdout and stderr go to `<log_dir>/attempt_<k>/rank<R>.stdout.log` and
+    `.stderr.log` (`k`: restart count, `R`: global rank); torch's error file next to them is
+    `rank<R>.error.json`. torch's tailer prints them with the launch's line prefix
+    (`[rank0] `): stderr from every rank, stdout from rank 0 only unless `all_stdout`.
+
+    >>> specs = RankLogsSpecs("/tmp/logs", all_stdout=False)
+    """
+
+    def __init__(self, log_dir: str, all_stdout: bool = False) -> None:
+        super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
+        self.all_stdout = all_stdout
+        #: local rank -> stderr file of the latest attempt (the summary's fallback when no traceback)
+        self.stderr_files: dict[int, str] = {}
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
+            most = next(iter(envs.values()), {}).get("TORCHELASTIC_MAX_RESTARTS", "?")
+            print(f"unison launch: restarting the workers (restart {attempt} of {most})", file=sys.stderr)
+        base = os.path.join(self.root_log_dir, f"attempt_{attempt}")
+        os.makedirs(base, exist_ok=True)
+        dest = LogsDest(
+            filtered_stdout=os.path.join(base, "filtered_stdout.log"),
+            filtered_stderr=os.path.join(base, "filtered_stderr.log"),
+        )
+        for local_rank, env in envs.items():
+            rank = int(env.get("RANK", local_rank))
+            stem = os.path.join(base, f"rank{rank}")
+            out, err, error_file = f"{stem}.stdout.log", f"{stem}.stderr.log", f"{stem}.error.json"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(error_file)  # a stale one from an earlier run would be read as this failure
+            dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
+            dest.tee_stderrs[local_rank] = err
+            if self.all_stdout or rank == 0:
+                dest.tee_stdouts[local_rank] = out
+            dest.error_files[local_rank] = error_file
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+            self.stderr_files[local_rank] = err
+        return dest
+
+
+# ---- failure summary ---------------------------------------------------------------------------
+# Errors a rank raises because *another* rank went away: never the root cause when a better one exists.
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "DistNetworkError",
+    "NCCL communicator was aborted",
+)
+
+
+def _message(failure: ProcessFailure) -> tuple[str, str]:
+    """`(headline, traceback)` from the worker's error file, or empty strings."""
+    msg: Any = failure.message
+    if isinstance(msg, dict):
+        return str(msg.get("message", "")), str(msg.get("extraInfo", {}).get("py_callstack", ""))
+    if isinstance(msg, str) and os.path.isfile(failure.error_file):
+        return msg, ""
+    return "", ""
+
+
+def is_peer_loss(failure: ProcessFailure) -> bool:
+    """True when the failure reads like a consequence of another rank going away."""
+    headline, stack = _message(failure)
+    return any(p in headline or p in stack for p in _PEER_LOSS)
+
+
+def root_cause(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that most likely caused the others.
+
+    torch's agent records failures in the order it saw them, and the ranks it stopped itself
+    (SIGTERM) after them, so the first one wins; a rank whose error only says a peer went
+    away yields to any other. (torch's own `get_first_failure` compares whole-second
+    timestamps, which ties within a second and then names the lowest rank.)
+    """
+    order = list(err.failures)
+    rank = min(order, key=lambda r: (is_peer_loss(err.failures[r]), order.index(r)))
+    return rank, err.failures[rank]
+
+
+def _tail(path: str | None, n: int) -> list[str]:
+    if not path:
+        return []
+    try:
+        with open(path, errors="replace") as fh:
+            return [line.rstrip("\n") for line in fh.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+def _how(failure: ProcessFailure) -> tuple[str, int]:
+    """("exit code 3", 3) or ("signal SIGKILL", 137)."""
+    if failure.exitcode < 0:
+        return f"signal {failure.signal_name()}", 128 - failure.exitcode
+    return f"exit code {failure.exitcode}", failure.exitcode or 1
+
+
+def failure_summary(
+    err: ChildFailedError, logs: RankLogsSpecs | None = None, log_dir: str | None = None, lines: int = 12
+) -> tuple[str, int]:
+    """One summary of a failed launch and the exit code to return.
+
+    Names the root-cause rank, its exit code or signal, and the last `lines` of its traceback
+    (from torch's error file; else the end of its stderr log). The exit code is the worker's
+    own, or 128 + signal number for a worker killed by a signal (the shell's convention).
+    """
+    rank, failure = root_cause(err)
+    how, code = _how(failure)
+    headline, stack = _message(failure)
+    body = stack.rstrip("\n").splitlines()[-lines:] if stack else []
+    if not body and logs is not None:
+        body = _tail(logs.stderr_files.get(failure.local_rank), lines)
+    out = [f"unison launch: rank {rank} failed ({how}){': ' + headline if headline else ''}"]
+    out += [f"  | {line}" for line in body]
+    if is_peer_loss(failure):
+        out.append("  (it lost a peer: the first failure is probably on another node; see its output)")
+    others = [f"{r} ({_how(f)[0]})" for r, f in sorted(err.failures.items()) if r != rank]
+    if others:
+        out.append(f"  other ranks on this node that stopped or failed after it: {', '.join(others)}")
+    if log_dir:
+        out.append(f"  logs: {log_dir}")
+    return "\n".join(out), code

@@ -1,0 +1,109 @@
+"""The bootstrap every `unison launch` worker runs before the user's script.
+
+torch's elastic agent starts each worker as `python -m unison._worker script.py [args...]`
+with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). This module
+
+1. ties the worker's life to the launcher's: if the launcher dies (even by SIGKILL) the
+   kernel kills the worker too (Linux `PR_SET_PDEATHSIG`), so no orphan keeps running;
+2. line-buffers stdout/stderr, so the launcher's console tailer always sees whole lines;
+3. sets torch's intra-op threads to `OMP_NUM_THREADS` (exported by the launcher:
+   `threads_per_worker(local_world_size)` unless the user set it);
+4. runs the script as `__main__` with `sys.argv = [script, *args]`, exactly as
+   `python script.py args...` would, and on an exception writes the traceback to torch's
+   error file (`TORCHELASTIC_ERROR_FILE`, with the error handler behind torch's `@record`),
+   so the launcher's failure summary can show it.
+
+>>> # what the agent runs for each rank:
+>>> # python -m unison._worker train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from types import TracebackType
+
+#: Set by `unison launch` to its own pid: a worker whose parent is already gone exits at once.
+LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (torch's agent) dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected):
+        os._exit(1)  # the launcher died before we could register: nobody is left to supervise us
+
+
+def set_threads() -> int:
+    """Apply `OMP_NUM_THREADS` (or the launcher's rule) to torch; return the thread count."""
+    import torch
+
+    from unison.distributed.env import threads_per_worker
+
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        n = threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    torch.set_num_threads(n)
+    return n
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` without the bootstrap's and runpy's frames, so tracebacks start in the user's script."""
+    first = tb
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name not in (__file__, runpy.__file__) and not name.startswith("<frozen runpy"):
+            return tb
+        tb = tb.tb_next
+    return first
+
+
+def run_script(script: str, args: list[str]) -> None:
+    """Run `script` as `__main__` with `sys.argv = [script, *args]` (like `python script.py args`)."""
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Bootstrap this worker, then run the user's script (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m unison._worker script.py [args...] (started by unison launch)")
+    die_with_launcher()
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    set_threads()
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()  # what torch's @record uses
+    handler.initialize()
+    try:
+        run_script(argv[0], argv[1:])
+    except Exception as exc:
+        exc.__traceback__ = _user_frames(exc.__traceback__)
+        handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The `unison` console script: `unison launch ...` and `unison env`.
+
+unison launch --nproc 2 train.py     # see `unison launch --help`
+unison env                           # what this machine and environment offer a launch
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+_USAGE = """\
+usage: unison {launch,env} ...
+
+  launch   run a training script on several processes, GPUs or machines (unison launch --help)
+  env      show versions, backends, GPUs, rank variables, the gloo interface and threads
+"""
+
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_report(environ: dict[str, str] | None = None) -> str:
+    """The text `unison env` prints: everything a launch depends on, one fact per line.
+
+    >>> print(env_report({"MASTER_ADDR": "127.0.0.1"}))   # doctest: +ELLIPSIS
+    unison ... torch ...
+    """
+    import torch
+    import torch.distributed as dist
+
+    import unison
+    from unison._launch_support import default_route_interface, interface_for
+    from unison.distributed.env import threads_per_worker, usable_cores
+
+    env = dict(os.environ if environ is None else environ)
+    lines = [f"unison {unison.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}"]
+    backends = []
+    for name in ("gloo", "nccl", "mpi"):
+        check = getattr(dist, f"is_{name}_available", None)
+        backends.append(f"{name} {'yes' if dist.is_available() and check and check() else 'no'}")
+    lines.append(f"backends: {', '.join(backends)}")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = ", ".join(f"{i}: {n}" for i, n in enumerate(names))
+        lines.append(f"CUDA {torch.version.cuda}: {len(names)} GPU(s): {gpus}")
+    else:
+        built = torch.version.cuda or "none (a CPU build)"
+        lines.append(f"CUDA: no GPU available (torch's CUDA: {built})")
+    seen = [k for k in _RANK_VARS if k in env]
+    seen += sorted(k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")))
+    if seen:
+        lines.append("rank variables: " + " ".join(f"{k}={env[k]}" for k in seen))
+    else:
+        lines.append("rank variables: none (not inside a launch)")
+    master = env.get("MASTER_ADDR")
+    route = interface_for(master) if master else default_route_interface()
+    towards = f"towards MASTER_ADDR={master}" if master else "of the default route"
+    chosen = f"{route[0]} ({route[1]})" if route else "unknown"
+    lines.append(f"gloo interface {towards}: {chosen}")
+    if env.get("GLOO_SOCKET_IFNAME"):
+        lines.append(f"  GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']} is set and wins")
+    local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    omp = env.get("OMP_NUM_THREADS", "unset")
+    lines.append(
+        f"threads: torch uses {torch.get_num_threads()}; OMP_NUM_THREADS={omp}; {usable_cores()} usable "
+        f"cores -> {threads_per_worker(local)} per worker with {local} local worker(s)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `unison` console script; returns the exit status.
+
+    >>> main(["env"])  # doctest: +SKIP
+    0
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "launch":
+        from unison.launch import main as launch_main
+
+        return launch_main(rest)
+    if command == "env":
+        if rest:
+            print(f"unison env: takes no arguments, got {' '.join(rest)}", file=sys.stderr)
+            return 2
+        print(env_report())
+        return 0
+    print(f"unison: unknown command {command!r} (use launch or env; unison --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""`unison launch`: start a training script on N processes, GPUs or machines, with torch's elastic agent.
+
+    unison launch --nproc 2 train.py --epochs 3              # 2 CPU processes on this machine
+    unison launch --gpus 0,1 train.py                        # one process per GPU
+    unison launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29400 train.py
+    python -m unison.launch --nproc 4 train.py               # the same, without the console script
+
+The agent, the rendezvous, restarts and error files are torch's
+(`torch.distributed.launcher.api.launch_agent`); this module checks the options before
+anything starts, chooses the rendezvous, exports what workers need, and reports a failure
+in one summary. Each worker runs `python -m unison._worker script.py args...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from unison._launch_support import (
+    LaunchError,
+    RankLogsSpecs,
+    exported,
+    failure_summary,
+    interface_for,
+    port_in_use,
+    quiet_torch_logs,
+    resolve,
+)
+from unison._worker import LAUNCHER_PID_ENV
+from unison.distributed.env import threads_per_worker
+from unison.distributed.group import TIMEOUT_ENV
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = [
+    "LaunchError",
+    "LaunchOptions",
+    "LaunchPlan",
+    "gloo_interface",
+    "launch",
+    "main",
+    "parse_options",
+    "plan_launch",
+]
+
+_EPILOG = """\
+Single machine: a c10d rendezvous on 127.0.0.1:0 (the store picks a free port), so any number
+of launches can run at once. Several machines: run one command per machine, either static
+(--nnodes N --node-rank I --master-addr H --master-port P; node 0 hosts the rendezvous on P)
+or elastic (--rdzv-endpoint H:P, same command everywhere; --nnodes MIN:MAX allowed).
+
+Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+(from torch's agent), UNISON_TIMEOUT (with --timeout) and:
+  threads  each worker uses floor(usable cores / processes on this machine) threads, at least
+           1: OMP_NUM_THREADS is exported unless you set it, and torch.set_num_threads follows it.
+  gloo     GLOO_SOCKET_IFNAME is the interface that routes to the master address (loopback on
+           one machine), unless you set it.
+Output: lines are prefixed with the rank ([rank0] ...); stderr from every rank, stdout from
+rank 0 only (--all-ranks-stdout for all). Every rank's output is also written to
+<log-dir>/attempt_<k>/rank<R>.{stdout,stderr}.log (kept only with --log-dir).
+On failure: one summary naming the first failing rank, its exit code or signal and the end of
+its traceback; the exit status is the worker's (128+N for signal N); 2 for bad options.
+"""
+
+
+def gloo_interface(host: str) -> str | None:
+    """The network interface that routes to `host`: what `unison launch` exports as GLOO_SOCKET_IFNAME.
+
+    For scripts that make their own gloo group across machines (no packet is sent to find it):
+
+    >>> os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface("10.0.0.1") or "")  # doctest: +SKIP
+    >>> gloo_interface("127.0.0.1")
+    'lo'
+    """
+    found = interface_for(host)
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The parsed and checked options of `unison launch`.
+
+    >>> opts = parse_options(["--nproc", "2", "train.py", "--lr", "0.1"])
+    >>> opts.nproc, opts.script_args, opts.mode
+    (2, ('--lr', '0.1'), 'standalone')
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int = 1
+    gpus: tuple[int, ...] | None = None
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "unison"
+    max_restarts: int = 0
+    timeout: float | None = None
+    log_dir: str | None = None
+    legacy_local_rank: bool = False
+    all_ranks_stdout: bool = False
+    verbose: bool = False
+
+    @property
+    def mode(self) -> str:
+        """'standalone' (one machine, free port), 'static' (master addr/port) or 'elastic' (rdzv endpoint)."""
+        if self.rdzv_endpoint:
+            return "elastic"
+        return "static" if self.master_port is not None else "standalone"
+
+    @property
+    def master_host(self) -> str:
+        """The host every node reaches for the rendezvous (loopback for a standalone launch)."""
+        if self.rdzv_endpoint:
+            return self.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
+        return self.master_addr or "127.0.0.1"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # one line, not usage + error
+        raise LaunchError(f"{message} (see unison launch --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="unison launch",
+        description="Run a training script on several processes, GPUs or machines (torch elastic agent).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = p.add_argument
+    add("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, metavar="N", help="processes here (1)")
+    add("--gpus", metavar="IDS", help="GPU ids for this machine, e.g. 0,1 or 'all': one process per GPU")
+    add("--nnodes", default="1", metavar="N", help="number of machines (N, or MIN:MAX with --rdzv-endpoint)")
+    add("--node-rank", "--node_rank", type=int, metavar="I", help="this machine's rank, 0..N-1 (static)")
+    add("--master-addr", "--master_addr", metavar="H", help="address of node 0, which hosts the rendezvous")
+    add(
+        "--master-port", "--master_port", type=int, metavar="P", help="free port on node 0 for the rendezvous"
+    )
+    add("--rdzv-endpoint", "--rdzv_endpoint", metavar="H:P", help="elastic c10d rendezvous (not with master)")
+    add("--rdzv-id", "--rdzv_id", default="unison", metavar="ID", help="job id shared by the nodes (unison)")
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart K times on failure",
+    )
+    add("--timeout", type=float, metavar="S", help="seconds a collective or the rendezvous may wait")
+    add("--log-dir", "--log_dir", metavar="D", help="keep every rank's stdout/stderr/error file in D")
+    add(
+        "--legacy-local-rank", action="store_true", help="pass --local_rank=N to the script (before its args)"
+    )
+    add("--all-ranks-stdout", action="store_true", help="show stdout of every rank, not only rank 0")
+    add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
+    add("script", help="the training script")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def _parse_gpus(spec: str) -> tuple[int, ...]:
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise LaunchError(
+            f"--gpus {spec}: this machine has no GPU (torch.cuda.device_count() is 0, torch "
+            f"{torch.__version__}); use --nproc N to run N CPU processes"
+        )
+    if spec.strip().lower() == "all":
+        return tuple(range(count))
+    try:
+        ids = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise LaunchError(f"--gpus {spec}: expected GPU ids like 0,1 or 'all'") from None
+    absent = [i for i in ids if not 0 <= i < count]
+    if not ids or absent or len(set(ids)) != len(ids):
+        why = f"GPU {absent} not present" if absent else "ids must be distinct and non-empty"
+        raise LaunchError(f"--gpus {spec}: {why}; this machine has {count} GPU(s): 0..{count - 1}")
+    return ids
+
+
+def _parse_nnodes(spec: str, elastic: bool) -> tuple[int, int]:
+    try:
+        lo, _, hi = spec.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {spec}: expected a number of machines (or MIN:MAX)") from None
+    if not 1 <= low <= high:
+        raise LaunchError(f"--nnodes {spec}: needs 1 <= MIN <= MAX")
+    if low != high and not elastic:
+        raise LaunchError(f"--nnodes {spec}: a range needs an elastic rendezvous (--rdzv-endpoint H:P)")
+    return low, high
+
+
+def parse_options(argv: Sequence[str]) -> LaunchOptions:
+    """Parse and check `unison launch` arguments; raise `LaunchError` (one line) on bad input.
+
+    Checks everything that can be checked before a process starts: the script exists, counts
+    are positive, GPUs exist, the node rank is inside the world, node 0's port is free.
+
+    >>> parse_options(["--nproc", "0", "train.py"])
+    Traceback (most recent call last):
+    unison._launch_support.LaunchError: --nproc must be at least 1, got 0
+    """
+    a = _parser().parse_args(list(argv))
+    if not os.path.isfile(a.script):
+        where = os.path.abspath(a.script)
+        raise LaunchError(f"script not found: {a.script} (looked for {where})")
+    elastic = bool(a.rdzv_endpoint)
+    if elastic and (a.master_addr or a.master_port is not None or a.node_rank is not None):
+        raise LaunchError(
+            "--rdzv-endpoint (elastic) and --master-addr/--master-port/--node-rank (static) "
+            "exclude each other: use one way to meet"
+        )
+    min_nodes, max_nodes = _parse_nnodes(a.nnodes, elastic)
+    nproc = 1 if a.nproc is None else a.nproc
+    gpus = None
+    if a.gpus is not None:
+        gpus = _parse_gpus(a.gpus)
+        if a.nproc is not None and a.nproc != len(gpus):
+            raise LaunchError(f"--nproc {a.nproc} conflicts with --gpus {a.gpus} ({len(gpus)} GPUs)")
+        nproc = len(gpus)
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    node_rank = a.node_rank or 0
+    if not 0 <= node_rank < max_nodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside --nnodes {a.nnodes} (0..{max_nodes - 1})")
+    if a.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if a.timeout is not None and not (a.timeout > 0 and math.isfinite(a.timeout)):
+        raise LaunchError(f"--timeout must be a positive number of seconds, got {a.timeout}")
+    if a.log_dir and os.path.exists(a.log_dir) and not os.path.isdir(a.log_dir):
+        raise LaunchError(f"--log-dir {a.log_dir} is a file, not a folder")
+    master_addr, master_port = a.master_addr, a.master_port
+    if elastic:
+        host, sep, port = a.rdzv_endpoint.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(f"--rdzv-endpoint {a.rdzv_endpoint}: expected HOST:PORT")
+        resolve(host.strip("[]"))
+    elif max_nodes > 1 or master_addr or master_port is not None:
+        if max_nodes > 1 and (master_addr is None or master_port is None):
+            raise LaunchError(
+                f"--nnodes {a.nnodes} needs --master-addr and --master-port (node 0's address and a "
+                "free port there), or --rdzv-endpoint H:P"
+            )
+        if master_port is None:
+            raise LaunchError("--master-addr needs --master-port (a free port on node 0)")
+        if not 0 < master_port < 65536:
+            raise LaunchError(f"--master-port must be in 1..65535, got {master_port}")
+        master_addr = master_addr or "127.0.0.1"
+        resolve(master_addr)
+        if node_rank == 0 and port_in_use(master_port):
+            raise LaunchError(
+                f"--master-port {master_port} is already in use on this machine (node 0 hosts the "
+                "rendezvous there): choose a free port"
+            )
+    passed = ("rdzv_endpoint", "rdzv_id", "max_restarts", "timeout", "log_dir", "legacy_local_rank")
+    passed += ("all_ranks_stdout", "verbose")
+    return LaunchOptions(
+        a.script, tuple(a.script_args), nproc, gpus, min_nodes, max_nodes, node_rank,
+        master_addr, master_port, **{name: getattr(a, name) for name in passed},
+    )  # fmt: skip
+
+
+@dataclass
+class LaunchPlan:
+    """What `launch` hands to torch: the agent's config, the worker command, the exported variables."""
+
+    config: LaunchConfig
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    logs: RankLogsSpecs | None = None
+    gloo_interface: str | None = None
+
+    def describe(self, opts: LaunchOptions) -> str:
+        """One line about the launch, for the console."""
+        where = "this machine" if opts.max_nodes == 1 else f"node {opts.node_rank} of {opts.max_nodes}"
+        if opts.mode == "elastic":
+            where = f"elastic job {opts.rdzv_id!r} at {opts.rdzv_endpoint}"
+        elif opts.mode == "static" and opts.max_nodes > 1:
+            where += f", master {opts.master_addr}:{opts.master_port}"
+        return (
+            f"unison launch: {opts.nproc} process(es) on {where}; "
+            f"{self.env.get('OMP_NUM_THREADS', '?')} thread(s) each; gloo via {self.gloo_interface or '?'}"
+        )
+
+
+def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
+    """Build torch's `LaunchConfig`, the worker arguments and the variables to export."""
+    from torch.distributed.elastic.utils import macros
+    from torch.distributed.launcher.api import LaunchConfig
+
+    env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid())}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    if opts.timeout is not None:
+        env[TIMEOUT_ENV] = repr(opts.timeout)
+    if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in opts.gpus)
+    iface = interface_for(opts.master_host)
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME") or (iface[0] if iface else None)
+    if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = gloo
+    rdzv_timeout = math.ceil(opts.timeout) if opts.timeout is not None else None
+    if opts.mode == "standalone":  # like torchrun --standalone, on IPv4 loopback
+        backend, endpoint, run_id, local_addr = "c10d", "127.0.0.1:0", uuid.uuid4().hex, "127.0.0.1"
+        configs: dict[str, object] = {}
+    elif opts.mode == "static":
+        backend, endpoint, run_id = "static", f"{opts.master_addr}:{opts.master_port}", opts.rdzv_id
+        local_addr = None
+        configs = {"rank": opts.node_rank, **({"timeout": rdzv_timeout} if rdzv_timeout else {})}
+    else:
+        backend, endpoint, run_id = "c10d", str(opts.rdzv_endpoint), opts.rdzv_id
+        local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
+        configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
+    logs = RankLogsSpecs(log_dir, all_stdout=opts.all_ranks_stdout)
+    config = LaunchConfig(
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nproc_per_node=opts.nproc,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=configs,
+        max_restarts=opts.max_restarts,
+        local_addr=local_addr,
+        logs_specs=logs,
+        log_line_prefix_template="[rank${rank}] ",
+    )
+    args = ["-m", "unison._worker", opts.script]
+    if opts.legacy_local_rank:  # where torch.distributed.launch put it: before the script's args
+        args.append(f"--local_rank={macros.local_rank}")
+    args.extend(opts.script_args)
+    return LaunchPlan(config=config, args=args, env=env, logs=logs, gloo_interface=gloo)
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the job `opts` describes with torch's elastic agent; return the exit status.
+
+    >>> launch(parse_options(["--nproc", "2", "train.py"]))
+    0
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import launch_agent
+
+    quiet_torch_logs(opts.verbose)
+    log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
+    plan: LaunchPlan | None = None
+    try:
+        plan = plan_launch(opts, os.path.abspath(log_dir))
+        print(plan.describe(opts), file=sys.stderr, flush=True)
+        with contextlib.suppress(AttributeError, ValueError):
+            sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        with exported(plan.env):
+            launch_agent(plan.config, sys.executable, plan.args)
+        return 0
+    except ChildFailedError as err:
+        kept = os.path.abspath(opts.log_dir) if opts.log_dir else None
+        summary, code = failure_summary(err, plan.logs if plan else None, kept)
+        print(summary, file=sys.stderr, flush=True)
+        return code
+    except SignalException as sig:
+        print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down", file=sys.stderr)
+        return 128 + int(sig.sigval)
+    except Exception as exc:  # rendezvous timeouts, unreachable master, ...: one line, not a trace
+        print(f"unison launch: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        sys.stdout.flush()
+        if not opts.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`unison launch ...` / `python -m unison.launch ...`: parse, check, launch; return the exit status."""
+    try:
+        opts = parse_options(sys.argv[1:] if argv is None else argv)
+    except LaunchError as exc:
+        print(f"unison launch: error: {exc}", file=sys.stderr)
+        return 2
+    return launch(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""`unison launch` and `unison env`: option checks, real launches, failures, restarts, seed examples.
+
+Every launch is a real subprocess (torch's elastic agent and real workers) with a bounded wait.
+Launches that do not depend on each other run at the same time to keep the suite short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unison import launch as launch_mod
+from unison._launch_support import LaunchError
+from unison.cli import env_report
+from unison.cli import main as cli_main
+from unison.distributed.env import threads_per_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+PY = sys.executable
+UNISON = str(Path(sys.executable).parent / "unison")
+LAUNCH = [PY, "-m", "unison.launch"]
+WAIT_S = 90  # bound on any one launch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(
+    cmd: list[str], env: dict[str, str] | None = None, unset: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, float]:
+    """Start `cmd` in the repo root (stdout and stderr captured apart); return it with its start time."""
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    return proc, time.monotonic()
+
+
+def finish(started: tuple[subprocess.Popen, float], timeout: float = WAIT_S) -> tuple[int, str, str, float]:
+    """Wait for a started command (killing it past `timeout`); return rc, stdout, stderr, seconds."""
+    proc, t0 = started
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = WAIT_S
+) -> tuple[int, str, str, float]:
+    return finish(start(cmd, env), timeout)
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def tagged(text: str, tag: str) -> list[dict]:
+    """The JSON payloads of lines `[rankR] TAG {...}` (or `TAG {...}`), with the prefix's rank added."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(rf"^(?:\[rank(\d+)\] )?{tag} (\{{.*\}})$", line)
+        if m:
+            found.append({**json.loads(m.group(2)), "_prefix": m.group(1)})
+    return found
+
+
+# ---- options, checked in this process (no launch) -------------------------------------------------
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "0", "{s}"], "--nproc must be at least 1, got 0"),
+        (["--nproc", "2", "missing_script.py"], "script not found: missing_script.py"),
+        (["--gpus", "0,1", "{s}"], "this machine has no GPU"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--master-port", "1", "{s}"],
+            "--node-rank 2 is outside --nnodes 2",
+        ),
+        (["--nnodes", "2", "{s}"], "needs --master-addr and --master-port"),
+        (["--nnodes", "1:3", "--master-addr", "127.0.0.1", "--master-port", "5", "{s}"], "needs an elastic"),
+        (["--rdzv-endpoint", "127.0.0.1:5", "--node-rank", "1", "{s}"], "exclude each other"),
+        (["--rdzv-endpoint", "nohostport", "{s}"], "expected HOST:PORT"),
+        (["--master-addr", "no-such-host.invalid", "--master-port", "5", "{s}"], "cannot resolve host"),
+        (["--timeout", "0", "{s}"], "--timeout must be a positive"),
+        (["--max-restarts", "-1", "{s}"], "--max-restarts must be >= 0"),
+        (["--nproc", "two", "{s}"], "invalid int value: 'two'"),
+    ],
+)
+def test_bad_options_raise_one_line(argv: list[str], message: str, script: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        launch_mod.parse_options([a.format(s=script) for a in argv])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_gpu_checks_against_device_count(monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(LaunchError, match=r"--gpus 0,3: GPU \[3\] not present; this machine has 2"):
+        launch_mod.parse_options(["--gpus", "0,3", script])
+    with pytest.raises(LaunchError, match="--nproc 3 conflicts with --gpus 0,1"):
+        launch_mod.parse_options(["--nproc", "3", "--gpus", "0,1", script])
+    assert launch_mod.parse_options(["--gpus", "all", script]).nproc == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # ids count within what is visible
+    plan = launch_mod.plan_launch(launch_mod.parse_options(["--gpus", "1", script]), "/tmp/unused")
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "5" and plan.config.nproc_per_node == 1
+
+
+def test_port_in_use_on_node_zero(script: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), script]
+        with pytest.raises(LaunchError, match=f"--master-port {port} is already in use"):
+            launch_mod.parse_options(["--node-rank", "0", *argv])
+        launch_mod.parse_options(["--node-rank", "1", *argv])  # node 1 only connects to it
+
+
+def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    one = launch_mod.plan_launch(launch_mod.parse_options(["--nproc", "2", "--timeout", "7", script]), "/x")
+    assert (one.config.rdzv_backend, one.config.rdzv_endpoint) == ("c10d", "127.0.0.1:0")  # never 29500
+    assert one.env["OMP_NUM_THREADS"] == str(threads_per_worker(2))
+    assert one.env["UNISON_TIMEOUT"] == "7.0" and one.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert one.args == ["-m", "unison._worker", script]
+    port = str(free_port())
+    static = launch_mod.parse_options(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "--timeout",
+            "30",
+            "--legacy-local-rank",
+            script,
+            "--lr",
+            "3",
+        ]
+    )
+    plan = launch_mod.plan_launch(static, "/x")
+    assert (plan.config.rdzv_backend, plan.config.rdzv_endpoint) == ("static", f"127.0.0.1:{port}")
+    assert plan.config.rdzv_configs == {"rank": 1, "timeout": 30}
+    assert plan.args == ["-m", "unison._worker", script, "--local_rank=${local_rank}", "--lr", "3"]
+    elastic = launch_mod.parse_options(["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", script])
+    plan = launch_mod.plan_launch(elastic, "/x")
+    assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("c10d", 1, 2)
+    assert plan.config.run_id == "unison" and plan.config.local_addr == "127.0.0.1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice wins, nothing re-exported
+    plan = launch_mod.plan_launch(launch_mod.parse_options([script]), "/x")
+    assert plan.env["OMP_NUM_THREADS"] == "3" and "GLOO_SOCKET_IFNAME" not in plan.env
+
+
+def test_env_report_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    report = env_report({"MASTER_ADDR": "127.0.0.1", "RANK": "1", "SLURM_PROCID": "1"})
+    assert "torch " in report and "unison " in report
+    assert re.search(r"backends: gloo yes, nccl (yes|no), mpi (yes|no)", report)
+    assert "RANK=1" in report and "SLURM_PROCID=1" in report
+    assert "gloo interface towards MASTER_ADDR=127.0.0.1: lo (127.0.0.1)" in report
+    assert re.search(r"threads: torch uses \d+", report)
+    assert cli_main(["env"]) == 0 and "backends:" in capsys.readouterr().out
+    assert cli_main(["nonsense"]) == 2 and "unknown command" in capsys.readouterr().err
+    assert launch_mod.gloo_interface("127.0.0.1") == "lo"
+
+
+# ---- the command line, in real processes -----------------------------------------------------------
+def test_bad_input_fails_fast_on_the_command_line(tmp_path: Path) -> None:
+    """A clear one-line error in well under 10 s, exit status 2, before anything starts."""
+    script = tmp_path / "ok.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    cases = {
+        "missing": ([UNISON, "launch", "--nproc", "2", str(tmp_path / "nope.py")], "script not found"),
+        "nproc0": ([*LAUNCH, "--nproc", "0", str(script)], "--nproc must be at least 1, got 0"),
+        "gpus": ([*LAUNCH, "--gpus", "0,1", str(script)], "no GPU"),
+        "port": (
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(script),
+            ],
+            f"--master-port {port} is already in use",
+        ),
+        "node_rank": (
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "5",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(script),
+            ],
+            "--node-rank 5 is outside --nnodes 2",
+        ),
+    }
+    try:
+        started = {name: start(cmd) for name, (cmd, _) in cases.items()}
+        results = {name: finish(s, timeout=30) for name, s in started.items()}
+    finally:
+        busy.close()
+    for name, (rc, out, err, secs) in results.items():
+        message = cases[name][1]
+        assert rc == 2, (name, out, err)
+        assert message in err, (name, err)
+        assert err.strip().count("\n") == 0, f"{name}: not one line:\n{err}"
+        assert err.startswith("unison launch: error: ")
+        assert secs < 10, f"{name} took {secs:.1f}s"
+        assert "must never run" not in out + err
+
+
+def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
+    """Two single-machine launches together (free ports), each checked for what its workers get."""
+    probe = str(SCRIPTS / "probe.py")
+    logs = tmp_path / "logs"
+    a = start(
+        [
+            *LAUNCH,
+            "--nproc",
+            "2",
+            "--legacy-local-rank",
+            "--timeout",
+            "30",
+            "--log-dir",
+            str(logs),
+            probe,
+            "x",
+            "--y=1",
+        ],
+        unset=("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "UNISON_TIMEOUT"),
+    )
+    b = start([UNISON, "launch", "--nproc", "2", "--all-ranks-stdout", probe], env={"OMP_NUM_THREADS": "2"})
+    rc_a, out_a, err_a, _ = finish(a)
+    rc_b, out_b, err_b, _ = finish(b)
+    assert rc_a == 0, err_a
+    assert rc_b == 0, err_b
+
+    # A: stdout from rank 0 only, prefixed; stderr from every rank, prefixed.
+    (p0,) = tagged(out_a, "PROBE")
+    assert p0["_prefix"] == "0" and all(line.startswith("[rank0] ") for line in out_a.splitlines())
+    assert {"[rank0] STDERR rank 0", "[rank1] STDERR rank 1"} <= set(err_a.splitlines())
+    # rank 1's stdout is in the log folder, under its global rank
+    (p1,) = tagged((logs / "attempt_0" / "rank1.stdout.log").read_text(), "PROBE")
+    assert (logs / "attempt_0" / "rank0.stderr.log").read_text().strip() == "STDERR rank 0"
+    for rank, p in ((0, p0), (1, p1)):
+        assert (p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"], p["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
+        assert p["MASTER_ADDR"] == "127.0.0.1" and p["MASTER_PORT"] not in (None, "29500")
+        assert p["argv"] == [f"--local_rank={rank}", "x", "--y=1"]
+        assert p["UNISON_TIMEOUT"] == "30.0" and p["GLOO_SOCKET_IFNAME"] == "lo"
+        assert p["threads"] == int(p["OMP_NUM_THREADS"]) == threads_per_worker(2)  # the launcher's rule
+        assert p["allreduce"] == 3.0
+        assert p["TORCHELASTIC_ERROR_FILE"] == str(logs / "attempt_0" / f"rank{rank}.error.json")
+        assert not alive(p["pid"])
+
+    # B: every rank's stdout; the user's OMP_NUM_THREADS is kept; no --local_rank; its own port.
+    probes = sorted(tagged(out_b, "PROBE"), key=lambda p: p["RANK"])
+    assert [p["_prefix"] for p in probes] == ["0", "1"]
+    assert all(p["threads"] == 2 and p["OMP_NUM_THREADS"] == "2" and p["argv"] == [] for p in probes)
+    assert probes[0]["MASTER_PORT"] != p0["MASTER_PORT"]
+    assert not list(Path(p0["TORCHELASTIC_ERROR_FILE"]).parent.glob("*.error.json"))  # no failure, no file
+
+
+def _pids(piddir: Path) -> list[int]:
+    return [int(p.read_text()) for p in piddir.glob("pid*")]
+
+
+def test_worker_failure_gives_one_summary_and_stops_everyone(tmp_path: Path) -> None:
+    fail = str(SCRIPTS / "fail.py")
+    for mode, status, how, shown in [
+        ("raise", 1, "exit code 1", "ValueError: boom from rank 1: bad batch 7"),
+        ("kill", 137, "signal SIGKILL", None),
+    ]:
+        piddir = tmp_path / mode
+        piddir.mkdir()
+        rc, out, err, secs = run([*LAUNCH, "--nproc", "2", fail, mode, str(piddir)])
+        assert rc == status, err
+        assert secs < 10, f"{mode}: the job took {secs:.1f}s to stop"
+        summary = err[err.index("unison launch: rank") :]
+        assert err.count("unison launch: rank") == 1, err  # ONE summary
+        assert summary.startswith(f"unison launch: rank 1 failed ({how})"), summary
+        if shown:
+            assert shown in summary.splitlines()[0]
+            assert '  |   File "' in summary and "load_batch()" in summary  # the user's traceback
+            assert "runpy" not in summary and "_worker.py" not in summary
+        assert "0 (signal SIGTERM)" in summary  # rank 0 was stopped, not left running
+        pids = _pids(piddir)
+        assert len(pids) == 2 and not any(alive(p) for p in pids), "a worker outlived the launcher"
+
+
+def test_exit_status_and_restarts(tmp_path: Path) -> None:
+    fail = str(SCRIPTS / "fail.py")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "r").mkdir()
+    exit3 = start([*LAUNCH, "--nproc", "2", fail, "exit3", str(tmp_path / "e")])
+    restart = start([*LAUNCH, "--nproc", "2", "--max-restarts", "1", fail, "restart", str(tmp_path / "r")])
+    rc, out, err, _ = finish(exit3)
+    assert rc == 3
+    assert "unison launch: rank 1 failed (exit code 3)\n  | giving up with status 3" in err
+    rc, out, err, _ = finish(restart)
+    assert rc == 0, err
+    assert "unison launch: restarting the workers (restart 1 of 1)" in err
+    assert "[rank0] attempt 1 done" in out.splitlines()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["pid0.0", "pid0.1", "pid1.0", "pid1.1"]
+    assert not any(alive(p) for p in _pids(tmp_path / "r") + _pids(tmp_path / "e"))
+
+
+# ---- the seed examples ------------------------------------------------------------------------------
+DIGEST = re.compile(r"^(?:\[rank\d\] )?rank (\d) weights_sum (\S+) sha256 (\w+) valid_acc (\S+)$", re.M)
+
+
+def digests(out: str) -> dict[int, tuple[str, str, str]]:
+    return {int(r): rest for r, *rest in DIGEST.findall(out)}
+
+
+def test_seed002_under_unison_launch_and_torchrun() -> None:
+    example = str(ROOT / "examples" / "seed002_local_rank.py")
+    ours = start([*LAUNCH, "--nproc", "2", "--legacy-local-rank", "--all-ranks-stdout", example])
+    torchrun = start(
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", example],
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    rc, out, err, _ = finish(ours)
+    assert rc == 0, err
+    rc2, out2, err2, _ = finish(torchrun)
+    assert rc2 == 0, err2
+    a, b = digests(out), digests(out2)
+    assert sorted(a) == sorted(b) == [0, 1], (out, out2)
+    assert a[0] == a[1], "ranks ended with different weights"
+    assert b[0] == b[1] == a[0], "torchrun and unison launch trained differently"
+    assert float(a[0][2]) > 0.6  # it learned something
+
+
+def test_seed004_by_hand_on_loopback() -> None:
+    example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
+    port = str(free_port())
+    procs = [
+        start(
+            [
+                PY,
+                example,
+                "--world-size",
+                "2",
+                "--rank",
+                str(r),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--timeout",
+                "60",
+            ]
+        )
+        for r in (0, 1)
+    ]
+    results = [finish(p) for p in procs]
+    for rc, _, err, _ in results:
+        assert rc == 0, err
+    (d0,), (d1,) = (digests(out).values() for _, out, _, _ in results)
+    assert d0 == d1, "ranks ended with different weights"

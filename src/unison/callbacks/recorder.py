@@ -42,7 +42,11 @@ class Recorder(Callback):
         self.lrs: list[float] = []
         self.last_valid: list[float] = []
         self.paused = False
+        # This epoch's training losses and batch sizes, kept as they come (no tensor math per
+        # batch) and reduced once in after_train; `_carry` holds sums resumed from another layout.
         self._batch_losses: list[torch.Tensor] = []
+        self._batch_sizes: list[int] = []
+        self._carry = (torch.zeros(()), torch.zeros(()))
         self._header_done = False
         self._pending_partial: dict[str, Any] | None = None
         # Which phases our `before_*` opened: a callback of lower order may cancel a phase
@@ -64,12 +68,13 @@ class Recorder(Callback):
 
     def before_train(self) -> None:
         self._open.add("train")
-        self._train_loss = WeightedMean("train_loss")
-        self._batch_losses = []
-        if self._pending_partial is not None:  # resuming mid-epoch: carry the sums so far
+        self._batch_losses, self._batch_sizes = [], []
+        self._carry = (torch.zeros(()), torch.zeros(()))
+        if self._pending_partial is not None:  # resuming mid-epoch: what this rank had so far
             partial, self._pending_partial = self._pending_partial, None
-            self._train_loss.total, self._train_loss.count = partial["total"], partial["count"]
-            self._batch_losses = list(partial["batch_losses"])
+            self._batch_losses = list(partial["losses"])
+            self._batch_sizes = partial["sizes"].tolist()
+            self._carry = (partial["carry"][0], partial["carry"][1])
 
     def before_validate(self) -> None:
         self._open.add("validate")
@@ -83,8 +88,8 @@ class Recorder(Callback):
             return
         n = batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb)
         if learn.training:
-            self._train_loss.add(learn.loss, n)
             self._batch_losses.append(learn.loss)  # a tensor: no host sync per batch
+            self._batch_sizes.append(n)
             if learn.opt is not None:
                 self.lrs.append(learn.opt.param_groups[0]["lr"])
         else:
@@ -96,10 +101,22 @@ class Recorder(Callback):
     def after_train(self) -> None:
         if self.paused or not self._closes("train"):
             return
+        train_loss = WeightedMean("train_loss")
+        train_loss.total, train_loss.count = self._train_sums()
         if self._batch_losses:
             self.losses.extend(torch.stack(self._batch_losses).float().cpu().tolist())
-        self._batch_losses = []
-        self._train_value = self._train_loss.value(self.learn.collective)
+        self._batch_losses, self._batch_sizes = [], []
+        self._train_value = train_loss.value(self.learn.collective)
+
+    def _train_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far."""
+        total, count = self._carry
+        if self._batch_losses:
+            losses = torch.stack(self._batch_losses).float()
+            sizes = torch.tensor(self._batch_sizes, dtype=losses.dtype, device=losses.device)
+            total = total.to(losses.device) + (losses * sizes).sum()
+            count = count + sum(self._batch_sizes)
+        return total, count
 
     def after_validate(self) -> None:
         if not self._closes("validate"):
@@ -163,27 +180,36 @@ class Recorder(Callback):
             self.paused = previous
 
     def partial_state(self) -> dict[str, Any]:
-        """The running train-loss sums of an epoch in progress, of every rank (a collective)."""
-        own = torch.stack([self._train_loss.total.float().cpu(), self._train_loss.count.float().cpu()])
-        losses = torch.stack(self._batch_losses).float().cpu() if self._batch_losses else torch.zeros(0)
-        return {"sums": self.learn.collective.gather_objects(own), "batch_losses": losses}
+        """Every rank's training losses and batch sizes of the epoch in progress (a collective)."""
+        own = {
+            "losses": torch.stack(self._batch_losses).float().cpu() if self._batch_losses else torch.zeros(0),
+            "sizes": torch.tensor(self._batch_sizes, dtype=torch.long),
+            "carry": torch.stack([self._carry[0].float().cpu(), self._carry[1].float().cpu()]),
+        }
+        return {"ranks": self.learn.collective.gather_objects(own)}
 
     def resume_partial(self, partial: dict[str, Any] | None, rank: int, world_size: int) -> None:
-        """Carry `partial_state()` into the next training phase. On as many ranks as before each
-        takes its own sums (bit-exact); otherwise rank 0 takes them all, so their reduction over
-        ranks is the same whatever the number of processes."""
+        """Carry `partial_state()` into the next training phase. On as many ranks as before, each
+        takes its own losses (bit-exact); otherwise rank 0 keeps its own and takes the others'
+        sums, so the epoch's loss reduced over ranks is the same whatever the number of processes."""
         if partial is None:
             self._pending_partial = None
             return
-        sums = partial["sums"]
-        if len(sums) == world_size:
-            total, count = sums[rank]
+        ranks = partial["ranks"]
+        empty = {"losses": torch.zeros(0), "sizes": torch.zeros(0, dtype=torch.long), "carry": torch.zeros(2)}
+        if len(ranks) == world_size:
+            self._pending_partial = ranks[rank]
         elif rank == 0:
-            total, count = torch.stack(sums).sum(0)
+            carry = torch.zeros(2)
+            for r in ranks[1:]:
+                carry = (
+                    carry
+                    + r["carry"]
+                    + torch.stack([(r["losses"] * r["sizes"]).sum(), r["sizes"].sum().float()])
+                )
+            self._pending_partial = {**ranks[0], "carry": ranks[0]["carry"] + carry}
         else:
-            total, count = torch.zeros(()), torch.zeros(())
-        losses = partial["batch_losses"] if rank == 0 else torch.zeros(0)
-        self._pending_partial = {"total": total, "count": count, "batch_losses": losses}
+            self._pending_partial = empty
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self.values, "times": self.times, "losses": self.losses, "lrs": self.lrs}

@@ -148,8 +148,6 @@ class DistributedTrainer(Callback):
         if not self.active:
             return
         self._at(0)
-        assert self.watchdog is not None
-        self.watchdog.arm()
         if not self.learn.grad_sync and self.learn.training and hasattr(self.learn.model, "no_sync"):
             self._no_sync = self.learn.model.no_sync()
             self._no_sync.__enter__()

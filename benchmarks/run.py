@@ -1,0 +1,183 @@
+"""Side-by-side benchmark: unison's Learner vs a hand-written DDP loop, interleaved.
+
+Both peers train the same model on the same data with the same global batch and
+optimizer (benchmarks/workload.py), launched the same way (torchrun, gloo, 2
+processes x 1 thread unless told otherwise), alternating a b a b ... so that drift
+in the machine's load hits both alike. Only medians of interleaved runs are reported.
+
+    python benchmarks/run.py                # the full table (also written to benchmarks/RESULTS.md)
+    python benchmarks/run.py --repeats 3 --workloads mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+
+
+def run_peer(script: str, workload: str, nproc: int, precision: str = "fp32", epochs: int = 6) -> dict:
+    """One launch of a peer; the merged RESULT lines of its ranks."""
+    env = dict(
+        os.environ,
+        WL=workload,
+        EPOCHS=str(epochs),
+        THREADS="1",
+        OMP_NUM_THREADS="1",
+        PRECISION=precision,
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE / script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    results = [
+        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    if proc.returncode != 0 or len(results) != nproc:
+        raise RuntimeError(
+            f"{script} {workload} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-3000:]}"
+        )
+    rank0 = next(r for r in results if r["rank"] == 0)
+    return {
+        "samples_per_s": rank0["samples_per_s"],
+        "valid_acc": rank0["valid_acc"],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+        "first_step_s": max(r["first_step_s"] for r in results),
+    }
+
+
+def interleaved(pairs: list[tuple[str, dict]], repeats: int) -> dict[str, list[dict]]:
+    """Run every (label, peer kwargs) in turn, `repeats` rounds: a b a b ..."""
+    out: dict[str, list[dict]] = {label: [] for label, _ in pairs}
+    for i in range(repeats):
+        for label, kwargs in pairs:
+            out[label].append(run_peer(**kwargs))
+            print(
+                f"  round {i + 1}/{repeats} {label}: {out[label][-1]['samples_per_s']} samples/s", flush=True
+            )
+    return out
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def ratios(a: list[dict], b: list[dict]) -> float:
+    """Median of per-round ratios a/b (each round's pair ran back to back)."""
+    return statistics.median(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, b, strict=True))
+
+
+def import_times(repeats: int) -> tuple[float, float]:
+    """Median wall time of `import torch` and of `import unison` (which imports torch), interleaved."""
+
+    def once(module: str) -> float:
+        start = time.perf_counter()
+        subprocess.run([PY, "-c", f"import {module}"], check=True)
+        return time.perf_counter() - start
+
+    torch_t, unison_t = [], []
+    for _ in range(repeats):
+        torch_t.append(once("torch"))
+        unison_t.append(once("unison"))
+    return statistics.median(torch_t), statistics.median(unison_t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "conv"])
+    parser.add_argument("--no-scaling", action="store_true")
+    parser.add_argument("--no-bf16", action="store_true")
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args()
+
+    rows = []
+    for wl in args.workloads:
+        print(f"{wl}: 2 processes x 1 thread, interleaved x{args.repeats}", flush=True)
+        pairs = [
+            ("raw", dict(script="raw_ddp.py", workload=wl, nproc=2)),
+            ("unison", dict(script="unison_ddp.py", workload=wl, nproc=2)),
+        ]
+        res = interleaved(pairs, args.repeats)
+        rows.append((wl, res))
+
+    lines = [
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {__import__('torch').__version__}, gloo; {args.repeats} interleaved rounds; medians.",
+        "",
+    ]
+    lines += [
+        "| workload | hand-written DDP samples/s | unison samples/s | unison / hand-written | "
+        "peak RSS per worker (raw / unison) | first step s (raw / unison) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for wl, res in rows:
+        raw, uni = res["raw"], res["unison"]
+        rss_raw, rss_uni = median(raw, "peak_rss_mb"), median(uni, "peak_rss_mb")
+        lines.append(
+            f"| {wl} | {median(raw, 'samples_per_s'):.0f} | {median(uni, 'samples_per_s'):.0f} | "
+            f"**{ratios(uni, raw):.3f}** | {rss_raw:.0f} / {rss_uni:.0f} MB ({rss_uni / rss_raw:.3f}x)"
+            f" | {median(raw, 'first_step_s'):.2f} / {median(uni, 'first_step_s'):.2f} |"
+        )
+
+    if not args.no_scaling:
+        print("conv scaling: 1 process vs 2 processes", flush=True)
+        pairs = [
+            ("raw1", dict(script="raw_ddp.py", workload="conv", nproc=1)),
+            ("uni1", dict(script="unison_ddp.py", workload="conv", nproc=1)),
+            ("raw2", dict(script="raw_ddp.py", workload="conv", nproc=2)),
+            ("uni2", dict(script="unison_ddp.py", workload="conv", nproc=2)),
+        ]
+        res = interleaved(pairs, args.repeats)
+        lines += [
+            "",
+            "| conv scaling | 1 process samples/s | 2 processes samples/s | 2p / 1p |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, one, two in (("hand-written DDP", "raw1", "raw2"), ("unison", "uni1", "uni2")):
+            lines.append(
+                f"| {name} | {median(res[one], 'samples_per_s'):.0f} | "
+                f"{median(res[two], 'samples_per_s'):.0f} | {ratios(res[two], res[one]):.2f} |"
+            )
+
+    if not args.no_bf16:
+        print("conv bf16 autocast on CPU vs fp32 (unison, 2 processes)", flush=True)
+        pairs = [
+            ("fp32", dict(script="unison_ddp.py", workload="conv", nproc=2)),
+            ("bf16", dict(script="unison_ddp.py", workload="conv", nproc=2, precision="bf16")),
+        ]
+        res = interleaved(pairs, args.repeats)
+        lines += [
+            "",
+            "| conv, unison, CPU | fp32 samples/s | bf16 autocast samples/s | bf16 / fp32 "
+            "| valid acc fp32 / bf16 |",
+            "| --- | ---: | ---: | ---: | ---: |",
+            f"| 2 processes x 1 thread | {median(res['fp32'], 'samples_per_s'):.0f} | "
+            f"{median(res['bf16'], 'samples_per_s'):.0f} | {ratios(res['bf16'], res['fp32']):.2f} | "
+            f"{median(res['fp32'], 'valid_acc'):.3f} / {median(res['bf16'], 'valid_acc'):.3f} |",
+        ]
+
+    torch_s, unison_s = import_times(max(5, args.repeats))
+    lines += [
+        "",
+        f"`import torch`: {torch_s:.2f} s; `import unison` (torch included): {unison_s:.2f} s; "
+        f"unison adds **{unison_s - torch_s:+.2f} s**.",
+    ]
+    table = "\n".join(lines)
+    print("\n" + table)
+    Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -145,6 +145,7 @@ class Learner:
         self.model_dir = Path(model_dir)
         self.n_inp = n_inp
         self.opt: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # set by MixedPrecision("fp16")
         # The data order of every epoch is a function of this seed (see DistributedDL).
         self._data_seed = torch.initial_seed() % 2**63
         self.collective = Collective()
@@ -346,11 +347,18 @@ class Learner:
         if not self.training:
             return
         self("before_backward")
-        self.loss_grad.backward()
+        if self.scaler is not None:
+            self.scaler.scale(self.loss_grad).backward()
+        else:
+            self.loss_grad.backward()
         self("after_backward")
         self("before_step")
         assert self.opt is not None
-        self.opt.step()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            self.opt.step()
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
 

@@ -214,3 +214,34 @@ def test_default_seed_is_broadcast(pool2):
     assert s0 == s1 == 0
     assert (where0, where1) == ((0, 2), (1, 2))
     assert not set(shard0) & set(shard1) and sorted(shard0 + shard1) == list(range(N))
+
+
+def test_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches():
+    """The fast path: one indexing op per tensor per batch, identical to item-by-item + default_collate."""
+    from unison.distributed.loader import _TensorBatches
+
+    x, y = torch.randn(50, 3), torch.arange(50)
+    fast = DistributedDL(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True), 1, 3, seed=7)
+    assert isinstance(fast._inner.dataset, _TensorBatches)
+
+    class ItemByItem(TensorDataset):  # a subclass: not eligible, goes item by item
+        pass
+
+    slow = DistributedDL(DataLoader(ItemByItem(x, y), batch_size=8, shuffle=True), 1, 3, seed=7)
+    assert not isinstance(slow._inner.dataset, _TensorBatches)
+    for epoch in range(2):
+        fast.set_epoch(epoch)
+        slow.set_epoch(epoch)
+        got, expected = list(fast), list(slow)
+        assert len(got) == len(expected) == 3
+        for a, b in zip(got, expected, strict=True):
+            assert type(a) is type(b) is list
+            assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b, strict=True))
+
+
+def test_a_custom_collate_keeps_the_item_by_item_path():
+    from unison.distributed.loader import _TensorBatches
+
+    ds = TensorDataset(torch.arange(10.0))
+    dl = DistributedDL(DataLoader(ds, batch_size=4, collate_fn=lambda items: len(items)), 0, 1)
+    assert not isinstance(dl._inner.dataset, _TensorBatches) and list(dl) == [4, 4, 2]

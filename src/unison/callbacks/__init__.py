@@ -10,6 +10,7 @@ from unison.callbacks.core import (
     CancelTrainException,
     CancelValidException,
 )
+from unison.callbacks.precision import MixedPrecision
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler
@@ -29,6 +30,7 @@ __all__ = [
     "GradientAccumulation",
     "GradientClip",
     "LRFinder",
+    "MixedPrecision",
     "OneCycleScheduler",
     "ProgressCallback",
     "Recorder",

@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from unison.callbacks.core import Callback
 from unison.rng import get_rng_state, set_rng_state
 from unison.serialization import (
@@ -82,6 +84,7 @@ class Checkpoint(Callback):
                 "kind": "checkpoint",
                 "model": learn.raw_model.state_dict(),
                 "opt": learn.opt.state_dict(),
+                "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
                 "epoch": epoch,
                 "samples_done": batches_done * self._global_batch(),
                 "global_batch": self._global_batch(),
@@ -132,6 +135,10 @@ class Checkpoint(Callback):
             learn.create_opt()
         assert learn.opt is not None
         learn.opt.load_state_dict(state["opt"])
+        if state.get("scaler") is not None:
+            if learn.scaler is None:
+                learn.scaler = torch.amp.GradScaler("cuda")
+            learn.scaler.load_state_dict(state["scaler"])
         learn.data_seed = state["data_seed"]
         learn.recorder.load_state_dict(state["recorder"])
         learn.recorder.resume_partial(

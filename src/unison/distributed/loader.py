@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.distributed.env import num_distrib, rank_distrib
@@ -25,6 +25,39 @@ def _mix(*parts: int | str) -> int:
     """A 63-bit value from `parts`, the same in every process (unlike `hash`)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class _TensorBatches(Dataset):
+    """A `TensorDataset` fetched a whole batch at a time: one indexing op per tensor instead
+    of one `__getitem__` per sample followed by a stack. Same batches, less Python per batch."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.tensors = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return [t[idx] for t in self.tensors]  # what default_collate makes of a list of tuples
+
+
+def _as_batch(batch: Any) -> Any:
+    return batch
+
+
+def _batched_fetch(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
+    """The dataset and collate function the inner loader uses: a batched fetch where it is exact.
+
+    A plain `TensorDataset` with torch's default collate gets `_TensorBatches`; any other
+    dataset is used as it is (torch's fetcher already calls a dataset's own `__getitems__`).
+    """
+    if type(dataset) is TensorDataset and collate_fn is default_collate and dataset.tensors:
+        return _TensorBatches(dataset), _as_batch
+    return dataset, collate_fn
 
 
 class _PlanSampler:
@@ -107,10 +140,11 @@ class DistributedDL:
             kwargs["prefetch_factor"] = dl.prefetch_factor
         if hasattr(dl, "in_order"):
             kwargs["in_order"] = dl.in_order
+        dataset, collate_fn = _batched_fetch(dl.dataset, dl.collate_fn)
         self._inner = DataLoader(
-            dl.dataset,
+            dataset,
             batch_sampler=_PlanSampler(self),  # type: ignore[arg-type]
-            collate_fn=dl.collate_fn,
+            collate_fn=collate_fn,
             num_workers=dl.num_workers,
             pin_memory=dl.pin_memory,
             timeout=dl.timeout,

@@ -278,7 +278,7 @@ def failure_summary(
     out = [f"unison launch: rank {rank} failed ({how}){': ' + headline if headline else ''}"]
     out += [f"  | {line}" for line in body]
     if is_peer_loss(failure):
-        out.append("  (it lost a peer: the first failure is probably on another node; see its output)")
+        out.append("  (its error says a peer went away: the first failure may be on another rank or node)")
     others = [f"{r} ({_how(f)[0]})" for r, f in sorted(err.failures.items()) if r != rank]
     if others:
         out.append(f"  other ranks on this node that stopped or failed after it: {', '.join(others)}")

@@ -96,12 +96,16 @@ def main(argv: list[str] | None = None) -> None:
 
     handler = get_error_handler()  # what torch's @record uses
     handler.initialize()
+    hook_before = sys.excepthook
     try:
         run_script(argv[0], argv[1:])
     except Exception as exc:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
-        sys.excepthook(type(exc), exc, exc.__traceback__)
+        hook = sys.excepthook
+        if getattr(hook, "__name__", "") == "_distributed_excepthook":
+            hook = hook_before  # torch's "[rankN]: " prefix: the launcher prefixes every line already
+        hook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
 
 

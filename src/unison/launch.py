@@ -378,8 +378,15 @@ def launch(opts: LaunchOptions) -> int:
     except SignalException as sig:
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down", file=sys.stderr)
         return 128 + int(sig.sigval)
+    except KeyboardInterrupt:  # before torch's agent installed its handlers
+        return 130
     except Exception as exc:  # rendezvous timeouts, unreachable master, ...: one line, not a trace
-        print(f"unison launch: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        name = type(exc).__name__
+        hint = ""
+        if any(word in name for word in ("Store", "Rendezvous", "Network")):
+            where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
+            hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
+        print(f"unison launch: {name}: {str(exc).strip()}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         sys.stdout.flush()

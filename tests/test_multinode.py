@@ -1,0 +1,165 @@
+"""Several machines: `unison launch --nnodes 2` on loopback, and on two real network namespaces.
+
+The namespaces test builds two "machines" joined by a veth pair (10.213.7.1 and 10.213.7.2,
+each with its own loopback), runs one launch command in each, and checks that training ends
+exactly as a single-machine `--nproc 2` run of the same script, with gloo bound to the veth
+interface. It needs root and iproute2 (`ip netns`), and skips with the reason otherwise.
+Traffic only ever goes to loopback or to the namespaces' own addresses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.test_launch import LAUNCH, PY, ROOT, SCRIPTS, digests, finish, free_port, start, tagged
+
+TRAIN = str(SCRIPTS / "train_tiny.py")
+SUBNET = "10.213.7"
+
+
+def result(out: str) -> dict:
+    (found,) = tagged(out, "RESULT")
+    return found
+
+
+def assert_same_training(got: dict, expected: dict) -> None:
+    assert got["weights"] == pytest.approx(expected["weights"], rel=1e-6, abs=1e-6)
+    assert got["valid"] == pytest.approx(expected["valid"], rel=1e-6, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def single_machine() -> dict:
+    """The reference: the same script on one machine, `--nproc 2`."""
+    rc, out, err, _ = finish(start([*LAUNCH, "--nproc", "2", TRAIN]))
+    assert rc == 0, err
+    return result(out)
+
+
+def node_cmd(rank: int, addr: str, port: int, script: str = TRAIN) -> list[str]:
+    return [*LAUNCH, "--nnodes", "2", "--node-rank", str(rank), "--master-addr", addr,
+            "--master-port", str(port), "--timeout", "60", script]  # fmt: skip
+
+
+def test_two_nodes_on_loopback_match_one_machine(single_machine: dict) -> None:
+    """Static (--master-addr/--master-port) and elastic (--rdzv-endpoint) pairs, run together."""
+    static_port, elastic_port = free_port(), free_port()
+    elastic = [*LAUNCH, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{elastic_port}", "--timeout", "60"]
+    procs = {
+        "static0": start(node_cmd(0, "127.0.0.1", static_port)),
+        "static1": start(node_cmd(1, "127.0.0.1", static_port)),
+        "elastic_a": start([*elastic, TRAIN]),
+        "elastic_b": start([*elastic, TRAIN]),
+    }
+    done = {name: finish(p) for name, p in procs.items()}
+    for name, (rc, _, err, _) in done.items():
+        assert rc == 0, f"{name}:\n{err}"
+    assert_same_training(result(done["static0"][1]), single_machine)
+    assert not tagged(done["static1"][1], "RESULT")  # stdout of rank 0 only: node 1 prints none
+    (elastic_result,) = [r for name in ("elastic_a", "elastic_b") for r in tagged(done[name][1], "RESULT")]
+    assert_same_training(elastic_result, single_machine)
+    info = tagged(done["static1"][2], "RANKINFO")
+    assert [(i["RANK"], i["LOCAL_RANK"], i["WORLD_SIZE"], i["GLOO_SOCKET_IFNAME"]) for i in info] == [
+        ("1", "0", "2", "lo")
+    ]
+
+
+# ---- two machines: network namespaces joined by a veth pair ----------------------------------------
+@dataclass(frozen=True)
+class Machines:
+    names: tuple[str, str]  # namespaces
+    links: tuple[str, str]  # veth ends, one in each
+    addrs: tuple[str, str]
+
+    def cmd(self, i: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.names[i], *argv]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def machines() -> Iterator[Machines]:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 is not installed (no `ip` command): apt-get install iproute2")
+    tag = uuid.uuid4().hex[:6]  # interface names must stay under 16 characters
+    m = Machines((f"unsA{tag}", f"unsB{tag}"), (f"unvA{tag}", f"unvB{tag}"), (f"{SUBNET}.1", f"{SUBNET}.2"))
+    created: list[str] = []
+    try:
+        for ns in m.names:
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", m.links[0], "type", "veth", "peer", "name", m.links[1])
+        for ns, link, addr in zip(m.names, m.links, m.addrs, strict=True):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"network namespaces are not available here: {str(detail).strip()}")
+    try:
+        yield m
+    finally:  # deleting a namespace removes its veth end, and the pair with it
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def test_two_machines_match_one_machine(machines: Machines, single_machine: dict) -> None:
+    port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
+    node0 = start(machines.cmd(0, node_cmd(0, machines.addrs[0], port)))
+    node1 = start(machines.cmd(1, node_cmd(1, machines.addrs[0], port)))
+    (rc0, out0, err0, _), (rc1, _, err1, _) = finish(node0), finish(node1)
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    assert_same_training(result(out0), single_machine)
+    for i, err in enumerate((err0, err1)):  # each node: gloo on its veth end, not loopback
+        (info,) = tagged(err, "RANKINFO")
+        assert (info["RANK"], info["GLOO_SOCKET_IFNAME"]) == (str(i), machines.links[i]), err
+        assert info["MASTER_ADDR"] == machines.addrs[0]
+        assert f"gloo via {machines.links[i]}" in err
+
+
+def test_seed004_by_hand_on_two_machines(machines: Machines) -> None:
+    """Seed 004: one plain process per machine, no launcher, the script makes its tcp:// group."""
+    example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
+    port = str(29000 + free_port() % 1000)
+    procs = [
+        start(
+            machines.cmd(
+                r,
+                [
+                    PY,
+                    example,
+                    "--world-size",
+                    "2",
+                    "--rank",
+                    str(r),
+                    "--host",
+                    machines.addrs[0],
+                    "--port",
+                    port,
+                    "--timeout",
+                    "60",
+                ],
+            )
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    (rc0, out0, err0, _), (rc1, out1, err1, _) = (finish(p) for p in procs)
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    d0, d1 = digests(out0), digests(out1)
+    assert list(d0) == [0] and list(d1) == [1]
+    assert d0[0] == d1[1], "the two machines ended with different weights"

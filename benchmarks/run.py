@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -38,9 +39,8 @@ def run_peer(script: str, workload: str, nproc: int, precision: str = "fp32", ep
     )
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE / script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    results = [
-        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
-    ]
+    # Ranks write concurrently: two RESULT records can share a line.
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
     if proc.returncode != 0 or len(results) != nproc:
         raise RuntimeError(
             f"{script} {workload} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"

@@ -42,7 +42,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
         dims = [0, *range(2, x.dim())]
         xf = x.to(cdtype)
         count = x.numel() // channels
-        if count > 0:  # two passes: mean first, then squares about it (stable)
+        native = _native_ok(xf) and count > 0
+        if native:  # torch's fused (Welford) CPU/CUDA kernel: mean and biased variance in one pass
+            mean, var = torch.batch_norm_update_stats(xf, None, None, 0.0)
+        elif count > 0:  # two passes: mean first, then squares about it (stable)
             mean = xf.mean(dims)
             var = (xf - _bcast(mean, x)).square().mean(dims)
         else:  # an empty rank contributes zero weight below, never a NaN
@@ -62,17 +65,22 @@ class _SyncBatchNormFn(torch.autograd.Function):
             # As torch's BatchNorm for one batch of `total` values: unbiased var in the buffer.
             running_mean.lerp_(g_mean.to(running_mean.dtype), factor)
             running_var.lerp_((g_var * (total / (total - 1))).to(running_var.dtype), factor)
-        y = (xf - _bcast(g_mean, x)) * _bcast(invstd if weight is None else invstd * weight, x)
-        if bias is not None:
-            y = y + _bcast(bias, x)
-        ctx.save_for_backward(x, weight, g_mean, invstd)
-        ctx.total, ctx.group = total, group
+        if native:  # eval-mode batch_norm normalises with the statistics it is given: one fused pass
+            y = F.batch_norm(xf, g_mean, g_var, weight, bias, False, 0.0, eps)
+        else:
+            y = (xf - _bcast(g_mean, x)) * _bcast(invstd if weight is None else invstd * weight, x)
+            if bias is not None:
+                y = y + _bcast(bias, x)
+        ctx.save_for_backward(x, weight, g_mean, g_var, invstd)
+        ctx.total, ctx.group, ctx.eps, ctx.native = total, group, eps, native
         return y.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, var, invstd = ctx.saved_tensors
+        if ctx.native:
+            return _native_backward(ctx, dy, x, weight, mean, var, invstd)
         dims = [0, *range(2, x.dim())]
         dyf = dy.to(mean.dtype)
         xhat = (x.to(mean.dtype) - _bcast(mean, x)) * _bcast(invstd, x)
@@ -91,6 +99,39 @@ class _SyncBatchNormFn(torch.autograd.Function):
             grad_x = (dyf - _bcast(mean_dy, x) - xhat * _bcast(mean_dy_xhat, x)) * _bcast(scale, x)
             grad_x = grad_x.to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _native_ok(x: Tensor) -> bool:
+    """Whether torch's fused batch-norm kernels take `x` (float32/64; half types take the generic path)."""
+    return x.dtype in (torch.float32, torch.float64) and x.dim() >= 2
+
+
+def _native_backward(
+    ctx: Any, dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, invstd: Tensor
+) -> tuple[Tensor | None, ...]:
+    """The backward on torch's fused kernels: ~one pass over the data, as plain BatchNorm's.
+
+    Eval-mode `native_batch_norm_backward` with the global statistics gives, in one call,
+    `w * invstd * dy` and this rank's `sum(dy * xhat)`, `sum(dy)`. The input gradient of a
+    batch norm also depends on those sums over *all* ranks (every sample moved the mean and
+    variance): after one all_reduce they enter as a per-channel affine correction.
+    """
+    w = weight if weight is not None else torch.ones_like(mean)
+    grad_in, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy.to(x.dtype).contiguous(), x, w, mean, var, None, None, False, ctx.eps, [True, True, True]
+    )
+    grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+    grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+        g_sum_dy, g_sum_dy_xhat = sums.chunk(2)
+        # dx = w*invstd*(dy - S1/N - xhat*S2/N) = grad_in - k2*x - k1, per channel
+        k2 = w * invstd * invstd * g_sum_dy_xhat / ctx.total
+        k1 = w * invstd * g_sum_dy / ctx.total - k2 * mean
+        grad_x = grad_in.addcmul_(x, _bcast(-k2, x)).sub_(_bcast(k1, x))
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _bcast(v: Tensor, like: Tensor) -> Tensor:

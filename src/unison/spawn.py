@@ -1,0 +1,280 @@
+"""`unison.spawn`: run a function on N local processes, from a script or a notebook.
+
+torch's elastic agent (the one behind torchrun) does the work: it rendezvouses on a free local
+port, starts the processes with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set,
+and stops them all as soon as one fails. unison adds the start-method choice that makes notebook
+functions work, each worker's share of the CPU, and an error naming the failing rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import types
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from unison.distributed.env import threads_per_worker
+from unison.distributed.group import TIMEOUT_ENV
+
+START_METHODS = ("spawn", "fork", "forkserver")
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
+_TAIL_LINES = 12
+
+
+class SpawnError(RuntimeError):
+    """A worker of `spawn` failed: `.rank`, `.exitcode`, `.error` ("ValueError: bad batch"), `.traceback`."""
+
+    def __init__(self, rank: int, exitcode: int, error: str, traceback: str = ""):
+        self.rank, self.exitcode, self.error, self.traceback = rank, exitcode, error, traceback
+        tail = "".join(f"\n{line}" for line in traceback.rstrip().splitlines()[-_TAIL_LINES:])
+        super().__init__(f"rank {rank} failed (exit code {exitcode}): {error}{tail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SpawnError, (self.rank, self.exitcode, self.error, self.traceback))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    max_restarts: int = 0,
+    timeout: float | None = None,
+    start_method: str | None = None,
+) -> Any:
+    """Run `fn(*args, **kwargs)` on `nprocs` local processes; return rank 0's result.
+
+    Each process gets the launcher's variables (so `learn.distrib_ctx()` and `rank_distrib()` just
+    work), its share of the CPU cores as intra-op threads, and `timeout` (seconds, bounding every
+    collective of a group unison makes). A failure in any rank stops all of them and raises
+    `SpawnError` naming that rank, with its traceback. Other ranks' results are discarded.
+
+    >>> def train(lr):
+    ...     learn = make_learner(lr)
+    ...     with learn.distrib_ctx():
+    ...         learn.fit(2)
+    ...     return learn.validate()
+    >>> unison.spawn(train, nprocs=2, args=(1e-3,))   # works in a notebook too
+    [0.31, 0.92]
+    """
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"spawn: args must be a tuple or list of arguments, got {type(args).__name__}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"spawn: max_restarts must be an int >= 0, got {max_restarts!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"spawn: timeout must be a positive number of seconds, got {timeout!r}")
+    if start_method not in (None, *START_METHODS):
+        raise ValueError(f"spawn: start_method must be one of {START_METHODS} or None, got {start_method!r}")
+    args, kwargs = tuple(args), dict(kwargs or {})
+    method = start_method or _auto_start_method(fn, args, kwargs)
+    if method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "spawn: CUDA is already initialised in this process and forked workers cannot use it; call "
+            "spawn before any CUDA work (restart the kernel), or define fn in a module and use "
+            "start_method='spawn'"
+        )
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"unison-spawn-{uuid.uuid4().hex}",
+        # Like torchrun --standalone: a c10d rendezvous on a port the OS picks, so spawns can
+        # follow each other or run beside other jobs.
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
+        start_method=method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
+    )
+    try:
+        with _agent_state():
+            run = elastic_launch(config, _worker)
+            results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
+    except ChildFailedError as exc:
+        raise _spawn_error(exc.failures) from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: the workers are stopped
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return results[0]
+
+
+@contextlib.contextmanager
+def _agent_state() -> Iterator[None]:
+    """Set up the caller for torch's agent, and put back what the agent changes (signals, environment)."""
+    # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
+    # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
+    # group the user makes on a port of their choosing (seed 003) would wait forever for a server.
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    saved_env = {name: os.environ.get(name) for name in names}
+    in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
+    saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    try:
+        yield
+    finally:
+        for name, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# Start method. "spawn" (fresh interpreters) is torch's default and the safe one: nothing of the
+# parent's state leaks in (CUDA, OpenMP's thread pool, locks held by other threads). But a fresh
+# interpreter finds `fn` by importing it, and a function defined in a notebook or REPL (a
+# `__main__` without a file), a lambda or a closure cannot be imported; for those alone we fork,
+# as Accelerate's notebook_launcher does. Forking has two known hazards, both handled:
+# - CUDA cannot be used in a forked child once the parent initialised it: refused up front.
+# - GNU OpenMP (torch's intra-op pool on Linux) deadlocks in a forked child that runs a parallel
+#   region with more than one thread after the parent ran one (tested: 2 threads each side hang).
+#   libgomp keeps its pool per thread, so the worker runs `fn` in a new thread, which builds a
+#   fresh pool; the forked main thread only waits for it.
+# "forkserver" would not help: its server cannot import a notebook's `__main__` either.
+def _auto_start_method(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """'spawn' if a fresh interpreter can rebuild fn and its arguments by import, else 'fork'."""
+    try:
+        _check_picklable((fn, args, kwargs), fresh_interpreter=True)
+    except Exception:
+        return "fork"
+    return "spawn"
+
+
+def _check_picklable(obj: Any, fresh_interpreter: bool) -> None:
+    """Raise if `obj` cannot be pickled (tensors are skipped: they travel fine and may be large).
+
+    With `fresh_interpreter`, also refuse functions and classes of an interactive `__main__`
+    (a notebook's): they pickle by name, but a new interpreter has no such names.
+    """
+    interactive = fresh_interpreter and getattr(sys.modules.get("__main__"), "__file__", None) is None
+
+    class Probe(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return 0 if isinstance(obj, torch.Tensor) else None
+
+        def reducer_override(self, obj: Any) -> Any:
+            if interactive and isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+                raise pickle.PicklingError(f"{obj.__qualname__} is defined in an interactive session")
+            return NotImplemented
+
+    with open(os.devnull, "wb") as sink:
+        Probe(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
+def _threads(nprocs: int) -> int:
+    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else threads_per_worker(nprocs)
+
+
+def _worker(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int, timeout: float | None, forked: bool
+):
+    """Runs in each worker, under the agent's error recorder (which writes the traceback file)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if timeout is not None:
+        os.environ[TIMEOUT_ENV] = str(timeout)
+    call = functools.partial(_call, fn, args, kwargs, threads)
+    if forked:
+        # A forked child inherits the parent's Python signal handlers (the agent's, the kernel's):
+        # put back the defaults, so SIGTERM from the agent ends it even inside a C++ collective.
+        for name in _AGENT_SIGNALS:
+            sig = getattr(signal, name)
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        result = _in_fresh_thread(call)
+    else:
+        result = call()
+    if os.environ.get("RANK") != "0":
+        return None  # only rank 0's result is sent back
+    try:
+        _check_picklable(result, fresh_interpreter=False)
+    except Exception as exc:
+        raise TypeError(
+            f"spawn: rank 0 returned a {type(result).__name__} that cannot be sent back to the caller "
+            f"({type(exc).__name__}: {exc}); return tensors or plain data"
+        ) from None
+    return result
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> Any:
+    torch.set_num_threads(threads)  # per thread under OpenMP: set in the thread that runs fn
+    return fn(*args, **kwargs)
+
+
+def _in_fresh_thread(call: Callable[[], Any]) -> Any:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="unison-spawn-worker", daemon=True)  # daemon: never waited
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box.pop("error")
+    return box.get("value")
+
+
+def _spawn_error(failures: Mapping[int, Any]) -> SpawnError:
+    """The root cause among the failed ranks: one that left a traceback, earliest first."""
+    details = {rank: _describe(failure) for rank, failure in failures.items()}
+    rank = min(details, key=lambda r: (not details[r][1], failures[r].timestamp, r))
+    return SpawnError(rank, failures[rank].exitcode, details[rank][0], _user_frames(details[rank][1]))
+
+
+def _user_frames(traceback: str) -> str:
+    """`traceback` without the launcher's frames (torch's error recorder, this module, threading)."""
+    lines, skip = [], False
+    for line in traceback.splitlines():
+        if line.startswith('  File "'):
+            path = line[8 : line.find('"', 8)]
+            skip = path in (__file__, threading.__file__) or "torch/distributed/elastic/" in path
+        elif not line.startswith("    "):
+            skip = False
+        if not skip:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _describe(failure: Any) -> tuple[str, str]:
+    """(one-line error, traceback text) of a torch elastic ProcessFailure."""
+    message = failure.error_file_data.get("message")
+    if isinstance(message, dict):
+        return str(message.get("message", "")), str(message.get("extraInfo", {}).get("py_callstack", ""))
+    if isinstance(message, str) and message not in ("", "<NONE>"):  # <NONE>: no error file was written
+        return message, ""
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()}", ""
+    return "the process exited without a Python traceback (see its output above)", ""

@@ -31,6 +31,7 @@ from unison.learner import Learner
 from unison.metrics import AccumMetric, AvgMetric, Metric, WeightedMean, accuracy, error_rate, roc_auc
 from unison.rng import set_seed
 from unison.serialization import CheckpointError
+from unison.spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,7 @@ __all__ = [
     "OneCycleScheduler",
     "ProgressCallback",
     "Recorder",
+    "SpawnError",
     "SaveModelCallback",
     "TrackerCallback",
     "WeightedMean",
@@ -64,5 +66,6 @@ __all__ = [
     "error_rate",
     "roc_auc",
     "set_seed",
+    "spawn",
     "to_device",
 ]

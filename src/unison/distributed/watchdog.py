@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unison.distributed.env import DistribEnv
-from unison.distributed.group import group_generation
+from unison.distributed.group import created_by_unison, group_generation
 
 
 class RankStalledError(RuntimeError):
@@ -60,18 +60,21 @@ class Watchdog:
 
     @staticmethod
     def _connect() -> dist.Store | None:
-        """A client of the job's rendezvous store of its own (the heartbeat thread must not share one)."""
-        env = DistribEnv.from_environ()
-        if env.master_addr is None or env.master_port is None:
-            return None  # a group made by tcp:// or file:// init: no store we can reach
+        """A store every rank can reach: a client of our own when unison made the group (a store is
+        known to listen at MASTER_ADDR:MASTER_PORT), else the live group's own store."""
         try:
-            return dist.TCPStore(
-                env.master_addr,
-                env.master_port,
-                is_master=False,
-                timeout=timedelta(seconds=5),
-                wait_for_workers=False,
-            )
+            if created_by_unison():
+                env = DistribEnv.from_environ()
+                assert env.master_addr is not None and env.master_port is not None
+                return dist.TCPStore(
+                    env.master_addr,
+                    env.master_port,
+                    is_master=False,
+                    timeout=timedelta(seconds=5),
+                    wait_for_workers=False,
+                )
+            # A group the user made (tcp://, file://, env://): torch keeps its store.
+            return dist.distributed_c10d._get_default_store()
         except Exception:  # a diagnostic aid must never break training
             return None
 

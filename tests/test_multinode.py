@@ -1,5 +1,8 @@
 """Several machines: `unison launch --nnodes 2` on loopback, and on two real network namespaces.
 
+All of them must end training exactly as one machine running `--nproc 2` does (the reference
+fixture), and so must a 2-process run whose rank is killed mid-epoch and restarted.
+
 The namespaces test builds two "machines" joined by a veth pair (10.213.7.1 and 10.213.7.2,
 each with its own loopback), runs one launch command in each, and checks that training ends
 exactly as a single-machine `--nproc 2` run of the same script, with gloo bound to the veth
@@ -15,6 +18,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +44,17 @@ def single_machine() -> dict:
     rc, out, err, _ = finish(start([*LAUNCH, "--nproc", "2", TRAIN]))
     assert rc == 0, err
     return result(out)
+
+
+def test_killed_rank_restarts_and_resumes_to_the_same_weights(single_machine: dict, tmp_path: Path) -> None:
+    """--max-restarts: rank 1 is SIGKILLed mid-epoch; torch's agent restarts both ranks, `fit(resume=True)`
+    continues from the last checkpoint, and training ends where the uninterrupted run did."""
+    cmd = [*LAUNCH, "--nproc", "2", "--max-restarts", "1", TRAIN, "--ckpt", str(tmp_path), "--crash", "5"]
+    rc, out, err, _ = finish(start(cmd))
+    assert rc == 0, err
+    assert "unison launch: restarting the workers (restart 1 of 1)" in err
+    assert (tmp_path / "models" / "checkpoint.pth").exists()
+    assert_same_training(result(out), single_machine)
 
 
 def node_cmd(rank: int, addr: str, port: int, script: str = TRAIN) -> list[str]:

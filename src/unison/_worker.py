@@ -64,14 +64,16 @@ def set_threads() -> int:
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """`tb` without the bootstrap's and runpy's frames, so tracebacks start in the user's script."""
-    first = tb
+    """`tb` without the bootstrap's and runpy's frames, so tracebacks start in the user's script.
+
+    None when no other frame is left (a SyntaxError in the script carries its own location).
+    """
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if name not in (__file__, runpy.__file__) and not name.startswith("<frozen runpy"):
             return tb
         tb = tb.tb_next
-    return first
+    return None
 
 
 def run_script(script: str, args: list[str]) -> None:
@@ -91,13 +93,13 @@ def main(argv: list[str] | None = None) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    set_threads()
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     handler = get_error_handler()  # what torch's @record uses
     handler.initialize()
     hook_before = sys.excepthook
     try:
+        set_threads()  # imports unison: a broken install is reported like the script's own errors
         run_script(argv[0], argv[1:])
     except Exception as exc:
         exc.__traceback__ = _user_frames(exc.__traceback__)

@@ -31,6 +31,8 @@ from unison._launch_support import (
     exported,
     failure_summary,
     interface_for,
+    parse_gpus,
+    parse_nnodes,
     port_in_use,
     quiet_torch_logs,
     resolve,
@@ -70,6 +72,8 @@ rank 0 only (--all-ranks-stdout for all). Every rank's output is also written to
 <log-dir>/attempt_<k>/rank<R>.{stdout,stderr}.log (kept only with --log-dir).
 On failure: one summary naming the first failing rank, its exit code or signal and the end of
 its traceback; the exit status is the worker's (128+N for signal N); 2 for bad options.
+--max-restarts K: torch's agent restarts every worker up to K times (a script resumes with a
+Checkpoint callback and fit(resume=True)); across machines this needs --rdzv-endpoint.
 """
 
 
@@ -172,41 +176,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_gpus(spec: str) -> tuple[int, ...]:
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise LaunchError(
-            f"--gpus {spec}: this machine has no GPU (torch.cuda.device_count() is 0, torch "
-            f"{torch.__version__}); use --nproc N to run N CPU processes"
-        )
-    if spec.strip().lower() == "all":
-        return tuple(range(count))
-    try:
-        ids = tuple(int(x) for x in spec.split(",") if x.strip())
-    except ValueError:
-        raise LaunchError(f"--gpus {spec}: expected GPU ids like 0,1 or 'all'") from None
-    absent = [i for i in ids if not 0 <= i < count]
-    if not ids or absent or len(set(ids)) != len(ids):
-        why = f"GPU {absent} not present" if absent else "ids must be distinct and non-empty"
-        raise LaunchError(f"--gpus {spec}: {why}; this machine has {count} GPU(s): 0..{count - 1}")
-    return ids
-
-
-def _parse_nnodes(spec: str, elastic: bool) -> tuple[int, int]:
-    try:
-        lo, _, hi = spec.partition(":")
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise LaunchError(f"--nnodes {spec}: expected a number of machines (or MIN:MAX)") from None
-    if not 1 <= low <= high:
-        raise LaunchError(f"--nnodes {spec}: needs 1 <= MIN <= MAX")
-    if low != high and not elastic:
-        raise LaunchError(f"--nnodes {spec}: a range needs an elastic rendezvous (--rdzv-endpoint H:P)")
-    return low, high
-
-
 def parse_options(argv: Sequence[str]) -> LaunchOptions:
     """Parse and check `unison launch` arguments; raise `LaunchError` (one line) on bad input.
 
@@ -227,11 +196,11 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
             "--rdzv-endpoint (elastic) and --master-addr/--master-port/--node-rank (static) "
             "exclude each other: use one way to meet"
         )
-    min_nodes, max_nodes = _parse_nnodes(a.nnodes, elastic)
+    min_nodes, max_nodes = parse_nnodes(a.nnodes, elastic)
     nproc = 1 if a.nproc is None else a.nproc
     gpus = None
     if a.gpus is not None:
-        gpus = _parse_gpus(a.gpus)
+        gpus = parse_gpus(a.gpus)
         if a.nproc is not None and a.nproc != len(gpus):
             raise LaunchError(f"--nproc {a.nproc} conflicts with --gpus {a.gpus} ({len(gpus)} GPUs)")
         nproc = len(gpus)
@@ -262,6 +231,11 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
             raise LaunchError("--master-addr needs --master-port (a free port on node 0)")
         if not 0 < master_port < 65536:
             raise LaunchError(f"--master-port must be in 1..65535, got {master_port}")
+        if max_nodes > 1 and a.max_restarts > 0:
+            raise LaunchError(
+                "--max-restarts across machines needs an elastic rendezvous: use --rdzv-endpoint H:P "
+                "(torch's static rendezvous cannot restart a multi-machine job)"
+            )
         master_addr = master_addr or "127.0.0.1"
         resolve(master_addr)
         if node_rank == 0 and port_in_use(master_port):
@@ -320,6 +294,9 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.mode == "standalone":  # like torchrun --standalone, on IPv4 loopback
         backend, endpoint, run_id, local_addr = "c10d", "127.0.0.1:0", uuid.uuid4().hex, "127.0.0.1"
         configs: dict[str, object] = {}
+    elif opts.mode == "static" and opts.max_nodes == 1 and opts.max_restarts:  # restartable: c10d, here
+        backend, endpoint, run_id = "c10d", f"{opts.master_addr}:{opts.master_port}", uuid.uuid4().hex
+        local_addr, configs = opts.master_addr, {"is_host": True}
     elif opts.mode == "static":
         backend, endpoint, run_id = "static", f"{opts.master_addr}:{opts.master_port}", opts.rdzv_id
         local_addr = None
@@ -328,6 +305,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         backend, endpoint, run_id = "c10d", str(opts.rdzv_endpoint), opts.rdzv_id
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
+    if backend == "c10d" and opts.max_restarts > 0:
+        # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
+        # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     logs = RankLogsSpecs(log_dir, all_stdout=opts.all_ranks_stdout)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,

@@ -1,8 +1,7 @@
 """Launch failure modes. `fail.py MODE PIDDIR`: rank 1 fails as MODE says, rank 0 waits to be stopped.
 
-MODE: raise (ValueError), kill (SIGKILL itself), exit3 (sys.exit(3)),
-restart (raises on the first attempt only, then every rank succeeds).
-Every worker writes its pid to PIDDIR/pid<rank> first.
+MODE: raise (ValueError), kill (SIGKILL itself), exit3 (sys.exit(3)).
+Every worker writes its pid to PIDDIR/pid<rank> first; rank 1 fails once rank 0 has.
 """
 
 import os
@@ -12,13 +11,12 @@ import time
 
 mode, piddir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-with open(os.path.join(piddir, f"pid{rank}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"), "w") as fh:
+with open(os.path.join(piddir, f"tmp{rank}"), "w") as fh:
     fh.write(str(os.getpid()))
-if mode == "restart":
-    if rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        raise RuntimeError("rank 1 fails on the first attempt")
-    print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} done")
-    sys.exit(0)
+os.replace(os.path.join(piddir, f"tmp{rank}"), os.path.join(piddir, f"pid{rank}"))  # whole, or absent
+deadline = time.monotonic() + 30
+while rank == 1 and not os.path.exists(os.path.join(piddir, "pid0")) and time.monotonic() < deadline:
+    time.sleep(0.05)  # fail only once rank 0 runs, so the test knows every pid it must see stopped
 if rank != 1:
     time.sleep(120)  # the launcher must stop this rank once rank 1 fails
 elif mode == "raise":

@@ -5,18 +5,39 @@ checksum after 2 epochs); every rank prints `RANKINFO {...}` to stderr (its rank
 GLOO_SOCKET_IFNAME, torch threads and its own weights checksum).
 
     unison launch --nproc 2 tests/scripts/train_tiny.py
+    unison launch --nproc 2 --max-restarts 1 tests/scripts/train_tiny.py --ckpt DIR --crash 5
+
+With `--ckpt DIR` it checkpoints every step into DIR and fits with `resume=True`; with
+`--crash N` rank 1 kills itself (SIGKILL) before training step N of the first attempt, so the
+restarted job must resume from the last checkpoint and still end on the same weights.
 """
 
+import argparse
 import json
 import os
+import signal
 import sys
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import DataLoaders, Learner, accuracy, set_seed
+from unison import Callback, Checkpoint, DataLoaders, Learner, accuracy, set_seed
 from unison.distributed import rank_distrib
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--ckpt", help="checkpoint every step into this folder, fit with resume=True")
+parser.add_argument("--crash", type=int, help="rank 1 dies before this training step, first attempt only")
+args = parser.parse_args()
+
+
+class CrashOnce(Callback):
+    def before_batch(self) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        here = self.learn.training and self.learn.train_iter == args.crash
+        if here and first_attempt and rank_distrib() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
 
 set_seed(0)
 x = torch.randn(96, 6)
@@ -26,10 +47,15 @@ dls = DataLoaders(
     DataLoader(TensorDataset(x[64:], y[64:]), batch_size=10),
 )
 model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
-learn = Learner(dls, model, nn.CrossEntropyLoss(), opt_func=torch.optim.SGD, lr=0.1, metrics=[accuracy])
+cbs = [Checkpoint(every=1)] if args.ckpt else []
+cbs += [CrashOnce()] if args.crash is not None else []
+learn = Learner(
+    dls, model, nn.CrossEntropyLoss(), opt_func=torch.optim.SGD, lr=0.1, metrics=[accuracy], cbs=cbs,
+    path=args.ckpt or ".",
+)  # fmt: skip
 learn.recorder.print_table = False
 with learn.distrib_ctx():
-    learn.fit(2)
+    learn.fit(2, resume=bool(args.ckpt))
     valid = learn.validate()
     rank = rank_distrib()
 weights = float(sum(p.detach().double().abs().sum() for p in learn.model.parameters()))

@@ -151,24 +151,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--nnodes", default="1", metavar="N", help="number of machines (N, or MIN:MAX with --rdzv-endpoint)")
     add("--node-rank", "--node_rank", type=int, metavar="I", help="this machine's rank, 0..N-1 (static)")
     add("--master-addr", "--master_addr", metavar="H", help="address of node 0, which hosts the rendezvous")
-    add(
-        "--master-port", "--master_port", type=int, metavar="P", help="free port on node 0 for the rendezvous"
-    )
+    add("--master-port", "--master_port", type=int, metavar="P", help="free port on node 0 (rendezvous)")
     add("--rdzv-endpoint", "--rdzv_endpoint", metavar="H:P", help="elastic c10d rendezvous (not with master)")
     add("--rdzv-id", "--rdzv_id", default="unison", metavar="ID", help="job id shared by the nodes (unison)")
-    add(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="restart K times on failure",
-    )
+    add("--max-restarts", "--max_restarts", type=int, default=0, metavar="K", help="restarts on failure")
     add("--timeout", type=float, metavar="S", help="seconds a collective or the rendezvous may wait")
     add("--log-dir", "--log_dir", metavar="D", help="keep every rank's stdout/stderr/error file in D")
-    add(
-        "--legacy-local-rank", action="store_true", help="pass --local_rank=N to the script (before its args)"
-    )
+    add("--legacy-local-rank", action="store_true", help="pass --local_rank=N before the script's args")
     add("--all-ranks-stdout", action="store_true", help="show stdout of every rank, not only rank 0")
     add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
     add("script", help="the training script")

@@ -87,7 +87,10 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     backend = backend or ("nccl" if cuda else "gloo")
     wait = datetime.timedelta(seconds=resolve_timeout(timeout))
     _generation += 1
-    store = dist.PrefixStore(f"unison/{_generation}", _store(env, wait))
+    # Keys unique to this group: the store may outlive it (a second distrib_ctx here, or an
+    # elastic restart sharing torch's agent store, where _generation starts again at 1).
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"unison/{restart}/{_generation}", _store(env, wait))
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
     _created_here = True
     return True

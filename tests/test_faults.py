@@ -1,0 +1,51 @@
+"""A rank that hangs, through the real launcher (killed workers and restarts: test_launch, test_multinode)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent / "fault_scripts" / "resumable.py"
+
+
+def launch(tmp_path, *launch_args, script_args=(), timeout=120):
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.launch",
+        "--nproc",
+        "2",
+        *launch_args,
+        str(SCRIPT),
+        "--dir",
+        str(tmp_path),
+        *script_args,
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def leftover_workers(marker):
+    """Processes still running our script (a worker the launcher failed to stop)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(cmdline)
+    return found
+
+
+def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
+    proc, elapsed = launch(
+        tmp_path, "--timeout", "5", script_args=["--hang-rank", "1", "--at", "3"], timeout=90
+    )
+    assert proc.returncode != 0
+    assert elapsed < 5 + 30
+    assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
+    assert leftover_workers(str(tmp_path)) == []

@@ -26,26 +26,36 @@ HERE = Path(__file__).resolve().parent
 PY = sys.executable
 
 
-def run_peer(script: str, workload: str, nproc: int, precision: str = "fp32", epochs: int = 6) -> dict:
+def run_peer(
+    script: str,
+    workload: str,
+    nproc: int,
+    precision: str = "fp32",
+    epochs: int = 6,
+    ddp_kwargs: dict | None = None,
+) -> dict:
     """One launch of a peer; the merged RESULT lines of its ranks."""
-    env = dict(
-        os.environ,
-        WL=workload,
-        EPOCHS=str(epochs),
-        THREADS="1",
-        OMP_NUM_THREADS="1",
-        PRECISION=precision,
-        PYTHONUNBUFFERED="1",
-    )
+    env = {
+        **os.environ,
+        "WL": workload,
+        "EPOCHS": str(epochs),
+        "THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PRECISION": precision,
+        "DDP_KWARGS": json.dumps(ddp_kwargs or {}),
+        "PYTHONUNBUFFERED": "1",
+    }
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE / script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     # Ranks write concurrently: two RESULT records can share a line.
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
-    if proc.returncode != 0 or len(results) != nproc:
+    if len(results) != nproc:
         raise RuntimeError(
-            f"{script} {workload} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-            f"{proc.stderr[-3000:]}"
+            f"{script} {workload} failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         )
+    if proc.returncode != 0:  # every rank reported, then one died at exit (seen: gloo teardown SIGABRT)
+        print(f"  note: {script} exited {proc.returncode} after all ranks reported", flush=True)
     rank0 = next(r for r in results if r["rank"] == 0)
     return {
         "samples_per_s": rank0["samples_per_s"],
@@ -91,6 +101,31 @@ def import_times(repeats: int) -> tuple[float, float]:
     return statistics.median(torch_t), statistics.median(unison_t)
 
 
+KNOBS = {
+    "torch defaults": {},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
+    "static_graph": {"static_graph": True},
+    "bucket_cap_mb=100": {"bucket_cap_mb": 100},
+}
+
+
+def compare_knobs(args: argparse.Namespace) -> None:
+    """Interleaved unison runs with each DDP setting: how the defaults were chosen."""
+    lines = ["| workload | " + " | ".join(KNOBS) + " |", "| --- |" + " ---: |" * len(KNOBS)]
+    for wl in args.workloads:
+        print(f"{wl}: DDP settings, interleaved x{args.repeats}", flush=True)
+        pairs = [
+            (name, dict(script="unison_ddp.py", workload=wl, nproc=2, ddp_kwargs=kw))
+            for name, kw in KNOBS.items()
+        ]
+        res = interleaved(pairs, args.repeats)
+        base = res["torch defaults"]
+        cells = [f"{median(base, 'samples_per_s'):.0f} samples/s"]
+        cells += [f"{ratios(res[name], base):.3f}x" for name in list(KNOBS)[1:]]
+        lines.append(f"| {wl} | " + " | ".join(cells) + " |")
+    print("\n" + "\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -100,17 +135,30 @@ def main() -> None:
     parser.add_argument("--no-scaling", action="store_true")
     parser.add_argument("--no-bf16", action="store_true")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--knobs", action="store_true", help="compare DDP settings instead (unison only)")
     args = parser.parse_args()
+    if args.knobs:
+        compare_knobs(args)
+        return
 
     rows = []
     for wl in args.workloads:
         print(f"{wl}: 2 processes x 1 thread, interleaved x{args.repeats}", flush=True)
+        # The hand-written loop keeps per-rank BatchNorm: unison's head-to-head run does the same
+        # math (sync_bn=False); its default, exact cross-rank BatchNorm, is reported on its own row.
+        same_math = {"sync_bn": False} if wl == "conv" else {}
         pairs = [
             ("raw", dict(script="raw_ddp.py", workload=wl, nproc=2)),
-            ("unison", dict(script="unison_ddp.py", workload=wl, nproc=2)),
+            ("unison", dict(script="unison_ddp.py", workload=wl, nproc=2, ddp_kwargs=same_math)),
         ]
+        if wl == "conv":
+            pairs.append(("unison_sync_bn", dict(script="unison_ddp.py", workload=wl, nproc=2)))
         res = interleaved(pairs, args.repeats)
-        rows.append((wl, res))
+        rows.append(
+            (f"{wl} (sync_bn=False, as hand-written)" if wl == "conv" else wl, res["raw"], res["unison"])
+        )
+        if wl == "conv":
+            rows.append(("conv, exact BatchNorm (default sync_bn=True)", res["raw"], res["unison_sync_bn"]))
 
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -122,8 +170,7 @@ def main() -> None:
         "peak RSS per worker (raw / unison) | first step s (raw / unison) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for wl, res in rows:
-        raw, uni = res["raw"], res["unison"]
+    for wl, raw, uni in rows:
         rss_raw, rss_uni = median(raw, "peak_rss_mb"), median(uni, "peak_rss_mb")
         lines.append(
             f"| {wl} | {median(raw, 'samples_per_s'):.0f} | {median(uni, 'samples_per_s'):.0f} | "
@@ -135,14 +182,14 @@ def main() -> None:
         print("conv scaling: 1 process vs 2 processes", flush=True)
         pairs = [
             ("raw1", dict(script="raw_ddp.py", workload="conv", nproc=1)),
-            ("uni1", dict(script="unison_ddp.py", workload="conv", nproc=1)),
+            ("uni1", dict(script="unison_ddp.py", workload="conv", nproc=1, ddp_kwargs={"sync_bn": False})),
             ("raw2", dict(script="raw_ddp.py", workload="conv", nproc=2)),
-            ("uni2", dict(script="unison_ddp.py", workload="conv", nproc=2)),
+            ("uni2", dict(script="unison_ddp.py", workload="conv", nproc=2, ddp_kwargs={"sync_bn": False})),
         ]
         res = interleaved(pairs, args.repeats)
         lines += [
             "",
-            "| conv scaling | 1 process samples/s | 2 processes samples/s | 2p / 1p |",
+            "| conv scaling (sync_bn=False) | 1 process samples/s | 2 processes samples/s | 2p / 1p |",
             "| --- | ---: | ---: | ---: |",
         ]
         for name, one, two in (("hand-written DDP", "raw1", "raw2"), ("unison", "uni1", "uni2")):

@@ -1,5 +1,6 @@
 """The same training as raw_ddp.py, written with unison's Learner and distrib_ctx."""
 
+import json
 import os
 import sys
 from functools import partial
@@ -14,6 +15,7 @@ from unison import Callback, DataLoaders, Learner, ProgressCallback, accuracy  #
 from unison.distributed import num_distrib  # noqa: E402
 
 PRECISION = os.environ.get("PRECISION", "fp32")  # fp32 | bf16
+DDP_KWARGS = json.loads(os.environ.get("DDP_KWARGS", "{}"))  # e.g. {"gradient_as_bucket_view": true}
 
 
 class TimeTraining(Callback):
@@ -54,7 +56,7 @@ learn = Learner(
 )
 learn.get_cb(ProgressCallback).show = True  # the default bar, shown even though stderr is a pipe here
 learn.recorder.print_table = False
-with learn.distrib_ctx():
+with learn.distrib_ctx(**DDP_KWARGS):
     learn.fit(EPOCHS)
     acc = learn.validate()[1]
 timer.report(f"unison_{PRECISION}" if PRECISION != "fp32" else "unison", acc, num_distrib())

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import DataLoaders, Learner, accuracy, set_seed
-from unison.distributed.env import rank_distrib
+from unison.distributed import rank_distrib
 
 parser = argparse.ArgumentParser(description="Small CNN on scikit-learn's digits with unison.")
 parser.add_argument("--epochs", type=int, default=8, help="number of epochs")

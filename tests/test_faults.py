@@ -49,3 +49,17 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     assert elapsed < 5 + 30
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
     assert leftover_workers(str(tmp_path)) == []
+
+
+def test_a_single_machine_job_listens_on_loopback_only(tmp_path):
+    if subprocess.run(["which", "ss"], capture_output=True).returncode != 0:
+        import pytest
+
+        pytest.skip("needs ss (iproute2) to list listening sockets")
+    script = Path(__file__).parent / "fault_scripts" / "listeners.py"
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--all-ranks-stdout", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    addresses = [line.split()[-1] for line in proc.stdout.splitlines() if "LISTEN rank" in line]
+    assert addresses  # the store and gloo's sockets at least
+    assert all(a.startswith(("127.0.0.1:", "[::1]:")) for a in addresses), addresses

@@ -166,7 +166,9 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     one = launch_mod.plan_launch(launch_mod.parse_options(["--nproc", "2", "--timeout", "7", script]), "/x")
-    assert (one.config.rdzv_backend, one.config.rdzv_endpoint) == ("c10d", "127.0.0.1:0")  # never 29500
+    # One machine: the agents rendezvous through a file (no port at all, never 29500).
+    assert one.config.rdzv_backend == "c10d" and one.config.rdzv_configs["store_type"] == "file"
+    assert "unison-rendezvous-" in one.config.rdzv_endpoint and one.config.local_addr == "127.0.0.1"
     assert one.env["OMP_NUM_THREADS"] == str(threads_per_worker(2))
     assert one.env["UNISON_TIMEOUT"] == "7.0" and one.env["GLOO_SOCKET_IFNAME"] == "lo"
     assert one.args == ["-m", "unison._worker", script]

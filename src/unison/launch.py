@@ -280,9 +280,13 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = gloo
     rdzv_timeout = math.ceil(opts.timeout) if opts.timeout is not None else None
-    if opts.mode == "standalone":  # like torchrun --standalone, on IPv4 loopback
-        backend, endpoint, run_id, local_addr = "c10d", "127.0.0.1:0", uuid.uuid4().hex, "127.0.0.1"
-        configs: dict[str, object] = {}
+    if opts.mode == "standalone":  # one machine: nothing listens beyond loopback
+        # The agents rendezvous through a file (no socket at all); workers get MASTER_ADDR
+        # 127.0.0.1, where rank 0 hosts their store (setup_distrib binds it to loopback).
+        run_id, local_addr = uuid.uuid4().hex, "127.0.0.1"
+        backend, endpoint = "c10d", os.path.join(tempfile.gettempdir(), f"unison-rendezvous-{run_id}")
+        configs: dict[str, object] = {"store_type": "file"}
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.mode == "static" and opts.max_nodes == 1 and opts.max_restarts:  # restartable: c10d, here
         backend, endpoint, run_id = "c10d", f"{opts.master_addr}:{opts.master_port}", uuid.uuid4().hex
         local_addr, configs = opts.master_addr, {"is_host": True}
@@ -362,6 +366,9 @@ def launch(opts: LaunchOptions) -> int:
         sys.stdout.flush()
         if not opts.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
+        if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
+            with contextlib.suppress(OSError):
+                os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
 
 
 def main(argv: Sequence[str] | None = None) -> int:

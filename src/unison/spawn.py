@@ -100,10 +100,11 @@ def spawn(
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=f"unison-spawn-{uuid.uuid4().hex}",
-        # Like torchrun --standalone: a c10d rendezvous on a port the OS picks, so spawns can
-        # follow each other or run beside other jobs.
+        # The agent rendezvous through a file (no socket, nothing a spawn picks can clash with);
+        # workers get MASTER_ADDR 127.0.0.1, where rank 0 hosts their store on loopback only.
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_endpoint=os.path.join(log_dir, "rendezvous"),
+        rdzv_configs={"store_type": "file"},
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
         start_method=method,

@@ -319,3 +319,13 @@ def test_a_stalled_rank_is_named_within_the_timeout(bare_pool2):
     assert kind == "RankStalledError" and rank == 1, message
     assert "rank 1 stopped taking part" in message and "training batch 2" in message
     assert elapsed < 4 + 6  # the group's timeout, plus the diagnosis
+
+
+def _ddp_knobs():
+    learn = _learner(_mlp, bs=8)
+    with learn.distrib_ctx(gradient_as_bucket_view=True, bucket_cap_mb=1):
+        return learn.model.gradient_as_bucket_view, learn.model.bucket_bytes_cap
+
+
+def test_ddp_kwargs_reach_ddp(pool2):
+    assert pool2.run(_ddp_knobs) == [(True, 1024 * 1024)] * 2

@@ -10,7 +10,9 @@ of hanging it.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,15 +50,38 @@ def _store(env: DistribEnv, timeout: datetime.timedelta) -> dist.Store:
     if key not in _stores:
         # Under torchrun the agent already hosts the store: every worker is a client.
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        hosting = env.rank == 0 and not agent_hosts
         _stores[key] = dist.TCPStore(
             env.master_addr,
             env.master_port,
             env.world_size,
-            is_master=env.rank == 0 and not agent_hosts,
+            is_master=hosting,
             timeout=timeout,
             wait_for_workers=False,
+            master_listen_fd=_loopback_listener(env) if hosting else None,
         )
     return _stores[key]
+
+
+def _loopback_listener(env: DistribEnv) -> int | None:
+    """A socket bound to the loopback MASTER_ADDR for the store to serve on, or None.
+
+    A TCPStore binds every interface by default; a job on one machine must not open a port
+    to the network, so when the master address is a loopback one the store gets a socket
+    bound to it alone. (Multi-machine jobs need the store reachable: torch's default.)
+    """
+    assert env.master_addr is not None and env.master_port is not None
+    host = "127.0.0.1" if env.master_addr == "localhost" else env.master_addr
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name other than localhost: the network
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, env.master_port))
+    sock.listen(2048)
+    return sock.detach()  # the store owns the descriptor from here on
 
 
 def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend: str | None = None) -> bool:

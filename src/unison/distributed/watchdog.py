@@ -16,18 +16,30 @@ that does not say who is missing. The `Watchdog` makes that failure useful:
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from unison.distributed.env import DistribEnv
 from unison.distributed.group import created_by_unison, group_generation
+
+# Watchdogs still beating: stopped before the interpreter shuts down, so no heartbeat is
+# caught inside a store call while C++ objects are torn down (an abort at exit otherwise).
+_live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for dog in list(_live):
+        dog.stop()
 
 
 class RankStalledError(RuntimeError):
@@ -81,6 +93,7 @@ class Watchdog:
     def start(self) -> None:
         # The thread also watches for a stall when there is no store to publish to.
         self._thread = threading.Thread(target=self._beat, name="unison-heartbeat", daemon=True)
+        _live.add(self)
         self._thread.start()
 
     def progress(self, epoch: int, phase: int, batch: int, stage: int) -> None:
@@ -88,13 +101,20 @@ class Watchdog:
         self._progress = (epoch, phase, batch, stage)
 
     def stop(self) -> None:
+        _live.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
+        # Let go of the store: held here it would outlive the group and be torn down only
+        # while the interpreter exits, where a store client's destructor can abort the process.
+        self._store = None
 
     def _beat(self) -> None:
         last, since, dumped = self._progress, time.monotonic(), False
         while not self._stop.is_set():
+            if not dist.is_initialized():
+                self._store = None  # the group is gone (destroyed without detaching): so is the job
+                return
             now = time.monotonic()
             if self._progress != last:
                 last, since, dumped = self._progress, now, False

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 
@@ -36,6 +37,32 @@ def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     elif isinstance(batch, (list, tuple)):
         for v in batch:
             yield from tensors_in(v)
+
+
+def take_rows(x: Any, n: int) -> Any:
+    """The first `n` samples of a (nested) batch."""
+    if isinstance(x, Tensor):
+        return x[:n] if x.dim() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(take_rows(v, n) for v in x)
+    if isinstance(x, dict):
+        return {k: take_rows(v, n) for k, v in x.items()}
+    return x
+
+
+def cat_padded(parts: Sequence[Tensor]) -> Tensor:
+    """Concatenate along dim 0, zero-padding later dims to the largest (variable-length outputs)."""
+    if not parts:
+        return torch.zeros(0)
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(list(parts))
+    trailing = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    out = parts[0].new_zeros([sum(p.shape[0] for p in parts), *trailing])
+    row = 0
+    for p in parts:
+        out[(slice(row, row + len(p)), *(slice(0, n) for n in p.shape[1:]))] = p
+        row += len(p)
+    return out
 
 
 class DataLoaders:

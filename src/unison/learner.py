@@ -41,7 +41,7 @@ from unison.callbacks.core import (
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
-from unison.data import DataLoaders, tensors_in, to_device
+from unison.data import DataLoaders, cat_padded, take_rows, tensors_in, to_device
 from unison.distributed.collective import Collective
 from unison.distributed.loader import DistributedDL
 from unison.metrics import Metric, as_metric, batch_size_of
@@ -53,32 +53,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
-
-
-def _take_rows(x: Any, n: int) -> Any:
-    """The first `n` samples of a (nested) batch."""
-    if isinstance(x, Tensor):
-        return x[:n] if x.dim() else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_take_rows(v, n) for v in x)
-    if isinstance(x, dict):
-        return {k: _take_rows(v, n) for k, v in x.items()}
-    return x
-
-
-def _cat_padded(parts: Sequence[Tensor]) -> Tensor:
-    """Concatenate along dim 0, zero-padding later dims to the largest (variable-length outputs)."""
-    if not parts:
-        return torch.zeros(0)
-    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
-        return torch.cat(list(parts))
-    trailing = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = parts[0].new_zeros([sum(p.shape[0] for p in parts), *trailing])
-    row = 0
-    for p in parts:
-        out[(slice(row, row + len(p)), *(slice(0, n) for n in p.shape[1:]))] = p
-        row += len(p)
-    return out
 
 
 class _PredsCollector(Callback):
@@ -371,7 +345,7 @@ class Learner:
         keep = max(0, min(n, n_real - self._seen))
         self._seen += n
         if keep < n:
-            self.xb, self.yb, self.pred = (_take_rows(v, keep) for v in (self.xb, self.yb, self.pred))
+            self.xb, self.yb, self.pred = (take_rows(v, keep) for v in (self.xb, self.yb, self.pred))
 
     def _check_devices(self) -> None:
         self._devices_checked = True
@@ -438,10 +412,8 @@ class Learner:
         finally:
             self.record_metrics = True
             self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
-        preds = self.collective.gather_ordered(_cat_padded(collector.preds))
-        targets = (
-            self.collective.gather_ordered(_cat_padded(collector.targets)) if collector.targets else None
-        )
+        preds = self.collective.gather_ordered(cat_padded(collector.preds))
+        targets = self.collective.gather_ordered(cat_padded(collector.targets)) if collector.targets else None
         return preds, targets
 
     # ---- optimizer and state ---------------------------------------------------------

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import DataLoaders, Learner, set_seed
 from unison.distributed import num_distrib
-from unison.spawn import spawn
+from unison.launch.spawn import spawn
 
 N_TRAIN, N_VALID, FEATURES = 64, 32, 6  # N_TRAIN is a multiple of the global batch: no padding
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import DataLoaders, Learner, accuracy, set_seed
-from unison.launch import gloo_interface
+from unison.launch.launcher import gloo_interface
 
 parser = argparse.ArgumentParser(description="Seed 004: CPU data-parallel across machines, by hand.")
 parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))

@@ -31,3 +31,13 @@ def bare_pool2():
     """Two ranks with launcher variables but no process group: unison must make its own."""
     with WorkerPool(2, init_group=False) as pool:
         yield pool
+
+
+POOL_FIXTURES = {"pool2", "pool3", "bare_pool2"}
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on the shared process pools start real processes: mark them slow like the launch tests."""
+    for item in items:
+        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

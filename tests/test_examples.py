@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
 
 ROOT = Path(__file__).resolve().parent.parent
 

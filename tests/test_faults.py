@@ -6,6 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
+
 SCRIPT = Path(__file__).parent / "fault_scripts" / "resumable.py"
 
 

@@ -27,11 +27,11 @@ from unison.callbacks import (
     TrackerCallback,
 )
 from unison.data import DataLoaders, to_device
+from unison.launch.spawn import SpawnError, spawn
 from unison.learner import Learner
 from unison.metrics import AccumMetric, AvgMetric, Metric, WeightedMean, accuracy, error_rate, roc_auc
 from unison.rng import set_seed
 from unison.serialization import CheckpointError
-from unison.spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
 

@@ -30,8 +30,8 @@ def env_report(environ: dict[str, str] | None = None) -> str:
     import torch.distributed as dist
 
     import unison
-    from unison._launch_support import default_route_interface, interface_for
     from unison.distributed.env import threads_per_worker, usable_cores
+    from unison.launch.support import default_route_interface, interface_for
 
     env = dict(os.environ if environ is None else environ)
     lines = [f"unison {unison.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}"]
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "launch":
-        from unison.launch import main as launch_main
+        from unison.launch.launcher import main as launch_main
 
         return launch_main(rest)
     if command == "env":

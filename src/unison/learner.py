@@ -41,9 +41,9 @@ from unison.callbacks.core import (
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
-from unison.data import DataLoaders, cat_padded, take_rows, tensors_in, to_device
+from unison.data.batch import DataLoaders, cat_padded, take_rows, tensors_in, to_device
+from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
-from unison.distributed.loader import DistributedDL
 from unison.metrics import Metric, as_metric, batch_size_of
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 

@@ -3,10 +3,10 @@
 >>> from unison.distributed import rank_distrib, num_distrib, rank0_first, DistributedDL
 """
 
+from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
 from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
 from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
-from unison.distributed.loader import DistributedDL
 from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.trainer import (
     DataParallel,

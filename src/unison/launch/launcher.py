@@ -8,7 +8,7 @@
 The agent, the rendezvous, restarts and error files are torch's
 (`torch.distributed.launcher.api.launch_agent`); this module checks the options before
 anything starts, chooses the rendezvous, exports what workers need, and reports a failure
-in one summary. Each worker runs `python -m unison._worker script.py args...`.
+in one summary. Each worker runs `python -m unison.launch.worker script.py args...`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unison._launch_support import (
+from unison.distributed.env import threads_per_worker
+from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
     exported,
@@ -37,9 +39,7 @@ from unison._launch_support import (
     quiet_torch_logs,
     resolve,
 )
-from unison._worker import LAUNCHER_PID_ENV
-from unison.distributed.env import threads_per_worker
-from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.worker import LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -173,7 +173,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
 
     >>> parse_options(["--nproc", "0", "train.py"])
     Traceback (most recent call last):
-    unison._launch_support.LaunchError: --nproc must be at least 1, got 0
+    unison.launch.support.LaunchError: --nproc must be at least 1, got 0
     """
     a = _parser().parse_args(list(argv))
     if not os.path.isfile(a.script):
@@ -316,7 +316,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         logs_specs=logs,
         log_line_prefix_template="[rank${rank}] ",
     )
-    args = ["-m", "unison._worker", opts.script]
+    args = ["-m", "unison.launch.worker", opts.script]
     if opts.legacy_local_rank:  # where torch.distributed.launch put it: before the script's args
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
@@ -379,7 +379,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unison launch: error: {exc}", file=sys.stderr)
         return 2
     return launch(opts)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-from unison.distributed.env import num_distrib, rank_distrib
-
 
 def _mix(*parts: int | str) -> int:
     """A 63-bit value from `parts`, the same in every process (unlike `hash`)."""
@@ -112,6 +110,9 @@ class DistributedDL:
             raise ValueError(
                 "DistributedDL shards the data itself: give it a loader without a DistributedSampler"
             )
+        # Imported here: unison.distributed re-exports this class, so a top-level import would be circular.
+        from unison.distributed.env import num_distrib, rank_distrib
+
         self.rank = rank_distrib() if rank is None else rank
         self.world_size = num_distrib() if world_size is None else world_size
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:

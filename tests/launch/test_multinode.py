@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch import LAUNCH, PY, ROOT, SCRIPTS, digests, finish, free_port, start, tagged
+from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, digests, finish, free_port, start, tagged
+
+pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
 
 TRAIN = str(SCRIPTS / "train_tiny.py")
 SUBNET = "10.213.7"

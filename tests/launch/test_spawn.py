@@ -20,9 +20,11 @@ import torch
 import torch.distributed.launcher.api
 
 from unison.distributed.env import threads_per_worker
-from unison.spawn import SpawnError, _auto_start_method, spawn
+from unison.launch.spawn import SpawnError, _auto_start_method, spawn
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
+
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
@@ -209,7 +211,7 @@ def test_script_closure_forks_safely_after_the_parent_used_openmp(tmp_path):
         textwrap.dedent(
             """
             import torch
-            from unison.spawn import _auto_start_method, spawn
+            from unison.launch.spawn import _auto_start_method, spawn
 
             torch.set_num_threads(2)
             big = torch.randn(4_000_000)
@@ -256,7 +258,7 @@ def test_notebook_defines_and_spawns_its_own_function(tmp_path, monkeypatch):
     nb.cells.append(
         nbformat.v4.new_code_cell(
             "import sys\n"
-            "from unison.spawn import _auto_start_method\n"
+            "from unison.launch.spawn import _auto_start_method\n"
             "torch.randn(4_000_000).exp().sum()  # an OpenMP region in the kernel\n"
             "print('kernel:', sys.executable, _auto_start_method(train, (), {}))\n"
             "print('big op:', spawn(lambda: float(torch.ones(4_000_000).exp().sum()), 2))"

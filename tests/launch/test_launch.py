@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison import launch as launch_mod
-from unison._launch_support import LaunchError
 from unison.cli import env_report
 from unison.cli import main as cli_main
 from unison.distributed.env import threads_per_worker
+from unison.launch import launcher as launch_mod
+from unison.launch.support import LaunchError
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
+
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "scripts"
 PY = sys.executable
 UNISON = str(Path(sys.executable).parent / "unison")
@@ -171,7 +173,7 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     assert "unison-rendezvous-" in one.config.rdzv_endpoint and one.config.local_addr == "127.0.0.1"
     assert one.env["OMP_NUM_THREADS"] == str(threads_per_worker(2))
     assert one.env["UNISON_TIMEOUT"] == "7.0" and one.env["GLOO_SOCKET_IFNAME"] == "lo"
-    assert one.args == ["-m", "unison._worker", script]
+    assert one.args == ["-m", "unison.launch.worker", script]
     port = str(free_port())
     static = launch_mod.parse_options(
         [
@@ -194,7 +196,7 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     plan = launch_mod.plan_launch(static, "/x")
     assert (plan.config.rdzv_backend, plan.config.rdzv_endpoint) == ("static", f"127.0.0.1:{port}")
     assert plan.config.rdzv_configs == {"rank": 1, "timeout": 30}
-    assert plan.args == ["-m", "unison._worker", script, "--local_rank=${local_rank}", "--lr", "3"]
+    assert plan.args == ["-m", "unison.launch.worker", script, "--local_rank=${local_rank}", "--lr", "3"]
     elastic = launch_mod.parse_options(["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", script])
     plan = launch_mod.plan_launch(elastic, "/x")
     assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("c10d", 1, 2)

@@ -10,7 +10,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from unison.distributed.loader import DistributedDL
+from unison.data.loader import DistributedDL
 
 N = 50
 
@@ -218,7 +218,7 @@ def test_default_seed_is_broadcast(pool2):
 
 def test_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches():
     """The fast path: one indexing op per tensor per batch, identical to item-by-item + default_collate."""
-    from unison.distributed.loader import _TensorBatches
+    from unison.data.loader import _TensorBatches
 
     x, y = torch.randn(50, 3), torch.arange(50)
     fast = DistributedDL(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True), 1, 3, seed=7)
@@ -240,7 +240,7 @@ def test_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches():
 
 
 def test_a_custom_collate_keeps_the_item_by_item_path():
-    from unison.distributed.loader import _TensorBatches
+    from unison.data.loader import _TensorBatches
 
     ds = TensorDataset(torch.arange(10.0))
     dl = DistributedDL(DataLoader(ds, batch_size=4, collate_fn=lambda items: len(items)), 0, 1)

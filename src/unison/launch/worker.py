@@ -1,6 +1,6 @@
 """The bootstrap every `unison launch` worker runs before the user's script.
 
-torch's elastic agent starts each worker as `python -m unison._worker script.py [args...]`
+torch's elastic agent starts each worker as `python -m unison.launch.worker script.py [args...]`
 with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). This module
 
 1. ties the worker's life to the launcher's: if the launcher dies (even by SIGKILL) the
@@ -14,7 +14,7 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    so the launcher's failure summary can show it.
 
 >>> # what the agent runs for each rank:
->>> # python -m unison._worker train.py --epochs 3
+>>> # python -m unison.launch.worker train.py --epochs 3
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     """Bootstrap this worker, then run the user's script (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m unison._worker script.py [args...] (started by unison launch)")
+        raise SystemExit(
+            "usage: python -m unison.launch.worker script.py [args...] (started by `unison launch`)"
+        )
     die_with_launcher()
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)

@@ -44,6 +44,7 @@ from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
 from unison.data.batch import DataLoaders, cat_padded, take_rows, tensors_in, to_device
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
+from unison.distributed.env import rank_distrib
 from unison.metrics import Metric, as_metric, batch_size_of
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 
@@ -87,7 +88,7 @@ class Learner:
         loss_func: Callable[..., Tensor],
         opt_func: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
         lr: float = 1e-3,
-        metrics: Iterable[Metric | Callable[..., Any]] = (),
+        metrics: Iterable[Metric | Callable[..., Any]] | Metric | Callable[..., Any] = (),
         cbs: Iterable[Callback | type[Callback]] = (),
         path: str | Path = ".",
         model_dir: str | Path = "models",
@@ -114,6 +115,8 @@ class Learner:
         self.loss_func = loss_func
         self.opt_func = opt_func
         self.lr = lr
+        if callable(metrics) or isinstance(metrics, Metric):  # one metric, fastai's `metrics=accuracy`
+            metrics = [metrics]
         self.metrics: list[Metric] = [as_metric(m) for m in metrics]
         self.path = Path(path)
         self.model_dir = Path(model_dir)
@@ -457,7 +460,8 @@ class Learner:
         PosixPath('models/stage1.pth')
         """
         file = self.model_file(name)
-        if self.collective.is_main:
+        # Outside distrib_ctx the collective says rank 0 everywhere: the group or launcher decides.
+        if self.collective.is_main and rank_distrib() == 0:
             state: dict[str, Any] = {
                 FORMAT_KEY: FORMAT_VERSION,
                 "kind": "model",

@@ -122,7 +122,9 @@ class DistributedTrainer(Callback):
         self.watchdog.start()
 
     def _device(self) -> torch.device:
-        if dist.get_backend() == "nccl" or self.cuda_id is not None:
+        # Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
+        # place: it trains on the CPU, as `setup_distrib` binds no GPU.
+        if dist.get_backend() == "nccl" or (self.cuda_id is not None and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device() if self.cuda_id is None else self.cuda_id)
         return self.learn.device
 

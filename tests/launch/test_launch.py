@@ -110,7 +110,7 @@ def script(tmp_path: Path) -> str:
         ),
         (["--nnodes", "2", "{s}"], "needs --master-addr and --master-port"),
         (["--nnodes", "1:3", "--master-addr", "127.0.0.1", "--master-port", "5", "{s}"], "needs an elastic"),
-        (["--rdzv-endpoint", "127.0.0.1:5", "--node-rank", "1", "{s}"], "exclude each other"),
+        (["--standalone", "--nnodes", "2", "{s}"], "--standalone is one machine"),
         (["--rdzv-endpoint", "nohostport", "{s}"], "expected HOST:PORT"),
         (["--master-addr", "no-such-host.invalid", "--master-port", "5", "{s}"], "cannot resolve host"),
         (["--timeout", "0", "{s}"], "--timeout must be a positive"),
@@ -129,7 +129,18 @@ def script(tmp_path: Path) -> str:
             ],
             "--max-restarts across machines needs an elastic rendezvous",
         ),
-        (["--nproc", "two", "{s}"], "invalid int value: 'two'"),
+        (["--nproc", "two", "{s}"], "--nproc two: expected a number of processes or one of auto"),
+        # torchrun's options: refused with what to use instead, or checked as torchrun checks them
+        (["-m", "--no-python", "x"], "-m/--module and --no-python exclude each other"),
+        (["-m", "no_such_module_for_unison", "x"], "no module named 'no_such_module_for_unison'"),
+        (["--no-python", "no-such-program-for-unison"], "not an executable file, nor a program on PATH"),
+        (["--logs-specs", "mine", "{s}"], "unison launch writes its own per-rank logs (use --log-dir D"),
+        (["--local-ranks-filter", "0,a", "{s}"], "--local-ranks-filter 0,a: expected local ranks"),
+        (["--redirects", "7", "{s}"], "--redirects 7: expected 0-3"),
+        (["--rdzv-backend", "c10d", "--nnodes", "2", "{s}"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--nproc-per-node", "gpu", "{s}"] if not torch.cuda.is_available() else ["--nproc", "0", "{s}"],
+         "this machine has no GPU" if not torch.cuda.is_available() else "--nproc must be at least 1"),
+        (["--monitor-interval", "0", "{s}"], "--monitor-interval must be positive"),
     ],
 )
 def test_bad_options_raise_one_line(argv: list[str], message: str, script: str) -> None:

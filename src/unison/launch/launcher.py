@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
@@ -39,7 +40,7 @@ from unison.launch.support import (
     quiet_torch_logs,
     resolve,
 )
-from unison.launch.worker import LAUNCHER_PID_ENV
+from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -67,9 +68,16 @@ Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, M
            1: OMP_NUM_THREADS is exported unless you set it, and torch.set_num_threads follows it.
   gloo     GLOO_SOCKET_IFNAME is the interface that routes to the master address (loopback on
            one machine), unless you set it.
-Output: lines are prefixed with the rank ([rank0] ...); stderr from every rank, stdout from
-rank 0 only (--all-ranks-stdout for all). Every rank's output is also written to
-<log-dir>/attempt_<k>/rank<R>.{stdout,stderr}.log (kept only with --log-dir).
+Output: every rank's stdout and stderr, each line prefixed with the rank ([rank1] ...);
+--local-ranks-filter 0 shows local rank 0 alone, --redirects 1 (2, 3) keeps stdout (stderr,
+both) off the console. Every rank's output is also written to
+<log-dir>/attempt_<k>/rank<R>.{stdout,stderr}.log (kept with --log-dir or --redirects).
+--timeout S bounds every collective of a group unison makes (distrib_ctx, setup_distrib), and
+is applied to a group the script made itself when a Learner joins it (to_distributed); a
+group used without unison keeps the timeout given to init_process_group.
+torchrun's options are accepted with torchrun's meaning (-m, --standalone, --rdzv-backend,
+--nproc-per-node auto, --no-python, ...), in both spellings; a bare --rdzv-endpoint H:P means
+an elastic c10d rendezvous, and --logs-specs is refused (use --log-dir).
 On failure: one summary naming the first failing rank, its exit code or signal and the end of
 its traceback; the exit status is the worker's (128+N for signal N); 2 for bad options.
 --max-restarts K: torch's agent restarts every worker up to K times (a script resumes with a
@@ -114,8 +122,9 @@ class LaunchOptions:
     timeout: float | None = None
     log_dir: str | None = None
     legacy_local_rank: bool = False
-    all_ranks_stdout: bool = False
+    all_ranks_stdout: bool = False  # accepted; every rank's stdout is shown by default
     verbose: bool = False
+    torchrun: TorchrunChoices = field(default_factory=TorchrunChoices)
 
     @property
     def mode(self) -> str:
@@ -146,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = p.add_argument
-    add("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, metavar="N", help="processes here (1)")
+    add("--nproc", "--nproc-per-node", "--nproc_per_node", metavar="N", help="processes: N, auto, cpu, gpu")
     add("--gpus", metavar="IDS", help="GPU ids for this machine, e.g. 0,1 or 'all': one process per GPU")
     add("--nnodes", default="1", metavar="N", help="number of machines (N, or MIN:MAX with --rdzv-endpoint)")
     add("--node-rank", "--node_rank", type=int, metavar="I", help="this machine's rank, 0..N-1 (static)")
@@ -155,13 +164,20 @@ def _parser() -> argparse.ArgumentParser:
     add("--rdzv-endpoint", "--rdzv_endpoint", metavar="H:P", help="elastic c10d rendezvous (not with master)")
     add("--rdzv-id", "--rdzv_id", default="unison", metavar="ID", help="job id shared by the nodes (unison)")
     add("--max-restarts", "--max_restarts", type=int, default=0, metavar="K", help="restarts on failure")
-    add("--timeout", type=float, metavar="S", help="seconds a collective or the rendezvous may wait")
+    add(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="seconds a collective may wait in a group unison makes or a Learner joins (distrib_ctx), "
+        "and the static rendezvous; a group the script uses alone keeps its own timeout",
+    )
     add("--log-dir", "--log_dir", metavar="D", help="keep every rank's stdout/stderr/error file in D")
     add("--legacy-local-rank", action="store_true", help="pass --local_rank=N before the script's args")
-    add("--all-ranks-stdout", action="store_true", help="show stdout of every rank, not only rank 0")
+    add("--all-ranks-stdout", action="store_true", help="accepted: every rank's stdout is shown anyway")
     add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
-    add("script", help="the training script")
+    add("script", help="the training script (a module with -m, a program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_torchrun_options(p)
     return p
 
 
@@ -176,15 +192,12 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     unison.launch.support.LaunchError: --nproc must be at least 1, got 0
     """
     a = _parser().parse_args(list(argv))
-    if not os.path.isfile(a.script):
+    a.nproc = parse_nproc(a.nproc)
+    torchrun = torchrun_choices(a)  # may move torchrun's spellings onto unison's own options
+    if torchrun.entry == "script" and not os.path.isfile(a.script):
         where = os.path.abspath(a.script)
         raise LaunchError(f"script not found: {a.script} (looked for {where})")
     elastic = bool(a.rdzv_endpoint)
-    if elastic and (a.master_addr or a.master_port is not None or a.node_rank is not None):
-        raise LaunchError(
-            "--rdzv-endpoint (elastic) and --master-addr/--master-port/--node-rank (static) "
-            "exclude each other: use one way to meet"
-        )
     min_nodes, max_nodes = parse_nnodes(a.nnodes, elastic)
     nproc = 1 if a.nproc is None else a.nproc
     gpus = None
@@ -236,7 +249,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     passed += ("all_ranks_stdout", "verbose")
     return LaunchOptions(
         a.script, tuple(a.script_args), nproc, gpus, min_nodes, max_nodes, node_rank,
-        master_addr, master_port, **{name: getattr(a, name) for name in passed},
+        master_addr, master_port, **{name: getattr(a, name) for name in passed}, torchrun=torchrun,
     )  # fmt: skip
 
 
@@ -296,13 +309,17 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         configs = {"rank": opts.node_rank, **({"timeout": rdzv_timeout} if rdzv_timeout else {})}
     else:
         backend, endpoint, run_id = "c10d", str(opts.rdzv_endpoint), opts.rdzv_id
+        backend = opts.torchrun.rdzv_backend or backend  # torchrun's --rdzv-backend (etcd, ...)
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
     if backend == "c10d" and opts.max_restarts > 0:
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
         # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    logs = RankLogsSpecs(log_dir, all_stdout=opts.all_ranks_stdout)
+    configs.update({k: v for k, v in opts.torchrun.rdzv_conf.items() if k != "store_type"})  # --rdzv-conf
+    agent = dict(opts.torchrun.agent)  # torchrun's options for torch's agent, as given
+    local_addr = agent.pop("local_addr", local_addr)
+    logs = RankLogsSpecs(log_dir, ranks_filter=opts.torchrun.ranks_filter, redirects=opts.torchrun.redirects)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -315,8 +332,9 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         local_addr=local_addr,
         logs_specs=logs,
         log_line_prefix_template="[rank${rank}] ",
+        **agent,
     )
-    args = ["-m", "unison.launch.worker", opts.script]
+    args = ["-m", "unison.launch.worker", *ENTRY_FLAGS[opts.torchrun.entry], opts.script]
     if opts.legacy_local_rank:  # where torch.distributed.launch put it: before the script's args
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
@@ -335,17 +353,23 @@ def launch(opts: LaunchOptions) -> int:
 
     quiet_torch_logs(opts.verbose)
     log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
+    # Output kept off the console (--redirects) is never dropped: its files outlive the launch.
+    keep_logs = bool(opts.log_dir) or opts.torchrun.redirects != "0"
     plan: LaunchPlan | None = None
     try:
         plan = plan_launch(opts, os.path.abspath(log_dir))
+        for note in opts.torchrun.notes:
+            print(f"unison launch: note: {note}", file=sys.stderr, flush=True)
         print(plan.describe(opts), file=sys.stderr, flush=True)
+        if keep_logs and not opts.log_dir:
+            print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         with exported(plan.env):
             launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
-        kept = os.path.abspath(opts.log_dir) if opts.log_dir else None
+        kept = os.path.abspath(log_dir) if keep_logs else None
         summary, code = failure_summary(err, plan.logs if plan else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
@@ -364,7 +388,7 @@ def launch(opts: LaunchOptions) -> int:
         return 1
     finally:
         sys.stdout.flush()
-        if not opts.log_dir:
+        if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):

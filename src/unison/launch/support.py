@@ -14,7 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,16 +198,30 @@ class RankLogsSpecs(LogsSpecs):
     Every rank's stdout and stderr go to `<log_dir>/attempt_<k>/rank<R>.stdout.log` and
     `.stderr.log` (`k`: restart count, `R`: global rank); torch's error file next to them is
     `rank<R>.error.json`. torch's tailer prints them with the launch's line prefix
-    (`[rank0] `): stderr from every rank, stdout from rank 0 only unless `all_stdout`.
+    (`[rank0] `): both streams of every rank, except local ranks outside `ranks_filter`
+    (torchrun's `--local-ranks-filter`) and the streams `redirects` keeps off the console
+    (torchrun's `--redirects`: "1" stdout, "2" stderr, "3" both, or "0:1,1:3" per local rank).
 
-    >>> specs = RankLogsSpecs("/tmp/logs", all_stdout=False)
+    >>> specs = RankLogsSpecs("/tmp/logs", ranks_filter={0}, redirects="0")
     """
 
-    def __init__(self, log_dir: str, all_stdout: bool = False) -> None:
+    def __init__(
+        self, log_dir: str, ranks_filter: Collection[int] | None = None, redirects: str = "0"
+    ) -> None:
         super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
-        self.all_stdout = all_stdout
+        self.ranks_filter = None if ranks_filter is None else frozenset(ranks_filter)
+        self.console_off = Std.from_str(redirects)
         #: local rank -> stderr file of the latest attempt (the summary's fallback when no traceback)
         self.stderr_files: dict[int, str] = {}
+
+    def on_console(self, local_rank: int, stream: Std) -> bool:
+        """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
+        if self.ranks_filter is not None and local_rank not in self.ranks_filter:
+            return False
+        off = self.console_off
+        if isinstance(off, dict):
+            off = off.get(local_rank, Std.NONE)
+        return not off & stream
 
     @property
     def root_log_dir(self) -> str:
@@ -231,9 +245,10 @@ class RankLogsSpecs(LogsSpecs):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(error_file)  # a stale one from an earlier run would be read as this failure
             dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
-            dest.tee_stderrs[local_rank] = err
-            if self.all_stdout or rank == 0:
+            if self.on_console(local_rank, Std.OUT):
                 dest.tee_stdouts[local_rank] = out
+            if self.on_console(local_rank, Std.ERR):
+                dest.tee_stderrs[local_rank] = err
             dest.error_files[local_rank] = error_file
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             self.stderr_files[local_rank] = err

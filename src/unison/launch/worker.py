@@ -8,25 +8,31 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
 2. line-buffers stdout/stderr, so the launcher's console tailer always sees whole lines;
 3. sets torch's intra-op threads to `OMP_NUM_THREADS` (exported by the launcher:
    `threads_per_worker(local_world_size)` unless the user set it);
-4. runs the script as `__main__` with `sys.argv = [script, *args]`, exactly as
-   `python script.py args...` would, and on an exception writes the traceback to torch's
-   error file (`TORCHELASTIC_ERROR_FILE`, with the error handler behind torch's `@record`),
-   so the launcher's failure summary can show it.
+4. runs the script as `__main__` exactly as `python script.py args...` would (`sys.argv[0]`
+   as typed, `__file__` absolute, the script's folder first on `sys.path`), or a module as
+   `python -m module args...` would (`-m`), or execs a program (`--exec`, torchrun's
+   `--no-python`); on an exception it writes the traceback to torch's error file
+   (`TORCHELASTIC_ERROR_FILE`, with the error handler behind torch's `@record`), so the
+   launcher's failure summary can show it.
 
 >>> # what the agent runs for each rank:
 >>> # python -m unison.launch.worker train.py --epochs 3
+>>> # python -m unison.launch.worker -m mypkg.train --epochs 3
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 from types import TracebackType
 
 #: Set by `unison launch` to its own pid: a worker whose parent is already gone exits at once.
 LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+#: The worker's arguments before the target, by the launcher's entry kind (see `options.TorchrunChoices`).
+ENTRY_FLAGS: dict[str, tuple[str, ...]] = {"script": (), "module": ("-m",), "program": ("--exec",)}
 
 
 def die_with_launcher() -> None:
@@ -77,20 +83,54 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def run_script(script: str, args: list[str]) -> None:
-    """Run `script` as `__main__` with `sys.argv = [script, *args]` (like `python script.py args`)."""
+    """Run `script` as `__main__` with `sys.argv = [script, *args]` (like `python script.py args`).
+
+    `__file__` is the absolute path, as `python` gives it: a script that changes directory can
+    still find its own files.
+    """
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(path)
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_module(module: str, args: list[str]) -> None:
+    """Run `module` as `__main__` like `python -m module args` (the current folder first on sys.path)."""
+    sys.argv = [module, *args]  # runpy puts the module's file here, as python -m does
+    sys.path[0] = os.getcwd()
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def exec_program(program: str, args: list[str]) -> None:
+    """Replace this process with `program args` (torchrun's --no-python); the parent-death signal stays."""
+    target = os.path.abspath(program) if os.path.isfile(program) else program
+    try:
+        os.execvp(target, [program, *args])
+    except OSError as exc:
+        raise SystemExit(f"unison launch: cannot run {program}: {exc.strerror}") from None
+
+
+def _die_by_sigint() -> None:
+    """End as an interrupted Python does (killed by SIGINT), so the launcher reports the signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Bootstrap this worker, then run the user's script (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
+    entry = {"-m": "module", "--exec": "program"}.get(argv[0] if argv else "", "script")
+    if entry != "script":
+        argv = argv[1:]
     if not argv:
         raise SystemExit(
-            "usage: python -m unison.launch.worker script.py [args...] (started by `unison launch`)"
+            "usage: python -m unison.launch.worker [-m | --exec] script [args...] (run by `unison launch`)"
         )
     die_with_launcher()
+    if entry == "program":
+        exec_program(argv[0], argv[1:])
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -102,14 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     hook_before = sys.excepthook
     try:
         set_threads()  # imports unison: a broken install is reported like the script's own errors
-        run_script(argv[0], argv[1:])
-    except Exception as exc:
+        (run_module if entry == "module" else run_script)(argv[0], argv[1:])
+    except (Exception, KeyboardInterrupt) as exc:
         exc.__traceback__ = _user_frames(exc.__traceback__)
-        handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if not interrupted:
+            handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
         hook = sys.excepthook
         if getattr(hook, "__name__", "") == "_distributed_excepthook":
             hook = hook_before  # torch's "[rankN]: " prefix: the launcher prefixes every line already
         hook(type(exc), exc, exc.__traceback__)
+        if interrupted:  # Ctrl-C: the traceback once, with one prefix, then the signal's exit
+            _die_by_sigint()
         sys.exit(1)
 
 

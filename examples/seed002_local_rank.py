@@ -2,9 +2,12 @@
 
 The script parses `--local_rank`, binds its GPU (when there is one), makes the process group
 itself with `init_method="env://"`, then hands the learner to that group with
-`learn.to_distributed(local_rank)`. It runs unchanged under every launcher:
+`learn.to_distributed(args.local_rank)` and `metrics=accuracy`, as the seed writes them. On a
+CPU machine the only edits are gloo for nccl and no `torch.cuda.set_device` (a CPU build of
+torch has none); `to_distributed(local_rank)` then trains on the CPU. It runs unchanged under
+every launcher:
 
-    unison launch --nproc 2 --legacy-local-rank examples/seed002_local_rank.py   # passes --local_rank=N
+    unison launch --nproc_per_node=2 --legacy-local-rank examples/seed002_local_rank.py  # --local_rank=N
     torchrun --standalone --nproc-per-node 2 examples/seed002_local_rank.py      # LOCAL_RANK in the env
     unison launch --gpus 0,1 --legacy-local-rank examples/seed002_local_rank.py  # NCCL, one GPU each
 
@@ -43,9 +46,7 @@ dls = DataLoaders(
     DataLoader(TensorDataset(x[192:], y[192:]), batch_size=32),
 )
 model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2))
-learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=[accuracy]).to_distributed(
-    args.local_rank if cuda else None  # seed 002 passes the GPU; on CPU there is none to bind
-)
+learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=accuracy).to_distributed(args.local_rank)
 learn.fit_one_cycle(args.epochs, 1e-2)
 valid_loss, valid_acc = learn.validate()
 learn.detach_distributed()  # the group is the script's: unison leaves it alone

@@ -43,12 +43,12 @@ def free_port() -> int:
 
 
 def start(
-    cmd: list[str], env: dict[str, str] | None = None, unset: tuple[str, ...] = ()
+    cmd: list[str], env: dict[str, str] | None = None, unset: tuple[str, ...] = (), cwd: Path = ROOT
 ) -> tuple[subprocess.Popen, float]:
-    """Start `cmd` in the repo root (stdout and stderr captured apart); return it with its start time."""
+    """Start `cmd` in `cwd` (stdout and stderr captured apart); return it with its start time."""
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     return proc, time.monotonic()
 
@@ -66,9 +66,9 @@ def finish(started: tuple[subprocess.Popen, float], timeout: float = WAIT_S) -> 
 
 
 def run(
-    cmd: list[str], env: dict[str, str] | None = None, timeout: float = WAIT_S
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = WAIT_S, cwd: Path = ROOT
 ) -> tuple[int, str, str, float]:
-    return finish(start(cmd, env), timeout)
+    return finish(start(cmd, env, cwd=cwd), timeout)
 
 
 def alive(pid: int) -> bool:
@@ -138,8 +138,10 @@ def script(tmp_path: Path) -> str:
         (["--local-ranks-filter", "0,a", "{s}"], "--local-ranks-filter 0,a: expected local ranks"),
         (["--redirects", "7", "{s}"], "--redirects 7: expected 0-3"),
         (["--rdzv-backend", "c10d", "--nnodes", "2", "{s}"], "needs --rdzv-endpoint HOST:PORT"),
-        (["--nproc-per-node", "gpu", "{s}"] if not torch.cuda.is_available() else ["--nproc", "0", "{s}"],
-         "this machine has no GPU" if not torch.cuda.is_available() else "--nproc must be at least 1"),
+        (
+            ["--nproc-per-node", "gpu", "{s}"] if not torch.cuda.is_available() else ["--nproc", "0", "{s}"],
+            "this machine has no GPU" if not torch.cuda.is_available() else "--nproc must be at least 1",
+        ),
         (["--monitor-interval", "0", "{s}"], "--monitor-interval must be positive"),
     ],
 )
@@ -295,12 +297,13 @@ def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
     assert rc_a == 0, err_a
     assert rc_b == 0, err_b
 
-    # A: stdout from rank 0 only, prefixed; stderr from every rank, prefixed.
-    (p0,) = tagged(out_a, "PROBE")
-    assert p0["_prefix"] == "0" and all(line.startswith("[rank0] ") for line in out_a.splitlines())
+    # A: stdout and stderr from every rank by default, each line prefixed with its rank.
+    p0, p1 = sorted(tagged(out_a, "PROBE"), key=lambda p: p["RANK"])
+    assert (p0["_prefix"], p1["_prefix"]) == ("0", "1")
+    assert all(re.match(r"\[rank[01]\] ", line) for line in out_a.splitlines())
     assert {"[rank0] STDERR rank 0", "[rank1] STDERR rank 1"} <= set(err_a.splitlines())
-    # rank 1's stdout is in the log folder, under its global rank
-    (p1,) = tagged((logs / "attempt_0" / "rank1.stdout.log").read_text(), "PROBE")
+    # and in the log folder, under the global rank
+    assert tagged((logs / "attempt_0" / "rank1.stdout.log").read_text(), "PROBE")[0]["pid"] == p1["pid"]
     assert (logs / "attempt_0" / "rank0.stderr.log").read_text().strip() == "STDERR rank 0"
     for rank, p in ((0, p0), (1, p1)):
         assert (p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"], p["LOCAL_WORLD_SIZE"]) == (
@@ -370,7 +373,8 @@ def digests(out: str) -> dict[int, tuple[str, str, str]]:
 
 def test_seed002_under_unison_launch_and_torchrun() -> None:
     example = str(ROOT / "examples" / "seed002_local_rank.py")
-    ours = start([*LAUNCH, "--nproc", "2", "--legacy-local-rank", "--all-ranks-stdout", example])
+    # seed 002's own command with unison for torch.distributed.launch; every rank's stdout shows
+    ours = start([*LAUNCH, "--nproc_per_node=2", "--legacy-local-rank", example])
     torchrun = start(
         [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", example],
         env={"OMP_NUM_THREADS": "1"},

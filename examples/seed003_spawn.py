@@ -1,8 +1,11 @@
-"""The PyTorch DDP primer's `mp.spawn` pattern (seed 003), with `unison.spawn`.
+"""The PyTorch DDP primer's `mp.spawn` pattern (seed 003), with `unison.mp_spawn`.
 
     python examples/seed003_spawn.py            # 2 processes, global batch 16
 
-`main_worker` runs on every process. It joins the process group either way the primer shows:
+`main_worker(gpu, ...)` runs on every process and, as under `mp.spawn`, gets the process index
+first: `mp.spawn(main_worker, nprocs=n, args=(...))` becomes `mp_spawn(main_worker, nprocs=n,
+args=(...))`, nothing else changes. (`unison.spawn(fn, nprocs, args)` is the notebook form, without
+the index.) It joins the process group either way the primer shows:
 - `--init tcp`: the script makes the group itself (`dist.init_process_group("gloo",
   init_method="tcp://...")`); unison uses that group as it is and never tears it down;
 - `--init env`: nothing to do, `learn.distrib_ctx()` makes the group from the variables that
@@ -31,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import DataLoaders, Learner, set_seed
 from unison.distributed import num_distrib
-from unison.launch.spawn import spawn
+from unison.launch.spawn import mp_spawn
 
 N_TRAIN, N_VALID, FEATURES = 64, 32, 6  # N_TRAIN is a multiple of the global batch: no padding
 
@@ -52,10 +55,12 @@ def flat_weights(learn: Learner) -> torch.Tensor:
     return torch.cat([v.detach().float().flatten() for v in learn.raw_model.state_dict().values()])
 
 
-def main_worker(init: str, port: int, global_batch: int, path: str, seed: int, load: str | None, save: str):
-    """One process's work; returns (on rank 0) every rank's final weights, indexed by rank."""
-    if init == "tcp":  # seed 003: the script makes the group itself
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def main_worker(
+    gpu: int, init: str, port: int, global_batch: int, path: str, seed: int, load: str | None, save: str
+):
+    """One process's work (`gpu`: its index); returns (on rank 0) every rank's final weights, by rank."""
+    if init == "tcp":  # seed 003: the script makes the group itself, rank = node rank * n + index
+        rank, world = 0 * int(os.environ["LOCAL_WORLD_SIZE"]) + gpu, int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     learn = make_learner(global_batch // num_distrib(), path, seed)  # per-process batch
     if load:
@@ -84,17 +89,17 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         # One process at the global batch, the same schedule: one epoch, save, load, one epoch.
-        main_worker("none", 0, args.global_batch, f"{path}/one", args.seed, None, "stage1")
-        single = main_worker("none", 0, args.global_batch, f"{path}/one", args.seed, "stage1", "final")[0]
+        main_worker(0, "none", 0, args.global_batch, f"{path}/one", args.seed, None, "stage1")
+        single = main_worker(0, "none", 0, args.global_batch, f"{path}/one", args.seed, "stage1", "final")[0]
 
         run = (args.global_batch, f"{path}/many", args.seed)
-        first = spawn(main_worker, args.nprocs, args=("tcp", free_port(), *run, None, "stage1"))
+        first = mp_spawn(main_worker, nprocs=args.nprocs, args=("tcp", free_port(), *run, None, "stage1"))
         agree = len(first) == args.nprocs and all(w.equal(first[0]) for w in first)
         print(
             f"epoch 1, group made by the script (tcp://), {args.nprocs} processes x batch "
             f"{args.global_batch // args.nprocs}: ranks agree: {agree}"
         )
-        last = spawn(main_worker, args.nprocs, args=("env", 0, *run, "stage1", "final"))
+        last = mp_spawn(main_worker, nprocs=args.nprocs, args=("env", 0, *run, "stage1", "final"))
         agree = agree and len(last) == args.nprocs and all(w.equal(last[0]) for w in last)
         print(f"epoch 2, resumed from stage1 under distrib_ctx (env://): ranks agree: {agree}")
         diff = float((last[0] - single).abs().max())

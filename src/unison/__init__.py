@@ -27,7 +27,7 @@ from unison.callbacks import (
     TrackerCallback,
 )
 from unison.data import DataLoaders, to_device
-from unison.launch.spawn import SpawnError, spawn
+from unison.launch.spawn import SpawnError, mp_spawn, spawn
 from unison.learner import Learner
 from unison.metrics import AccumMetric, AvgMetric, Metric, WeightedMean, accuracy, error_rate, roc_auc
 from unison.rng import set_seed
@@ -64,6 +64,7 @@ __all__ = [
     "WeightedMean",
     "accuracy",
     "error_rate",
+    "mp_spawn",
     "roc_auc",
     "set_seed",
     "spawn",

@@ -126,6 +126,42 @@ def spawn(
     return results[0]
 
 
+def mp_spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+) -> Any:
+    """`torch.multiprocessing.spawn`'s form: run `fn(i, *args)` for `i` in `range(nprocs)`.
+
+    A drop-in for seed 003's `mp.spawn(main_worker, nprocs=n, args=(...))`: the same signature
+    and the process index first, on `spawn`'s machinery (each process also gets RANK, WORLD_SIZE,
+    MASTER_ADDR and a free MASTER_PORT, so `init_method="env://"` just works; a failure in any
+    process stops all of them and raises `SpawnError` naming it). Returns rank 0's result where
+    torch returns None. `daemon` is accepted (the processes never outlive the caller anyway);
+    `start_method=None` picks as `spawn` does, so notebook functions work.
+
+    >>> def main_worker(gpu, ngpus_per_node, args):
+    ...     dist.init_process_group("gloo", init_method="env://", rank=gpu, world_size=ngpus_per_node)
+    >>> mp_spawn(main_worker, nprocs=2, args=(2, args))     # was: mp.spawn(main_worker, nprocs=2, ...)
+    """
+    if not join:
+        raise ValueError(
+            "mp_spawn: join=False is not supported (it returns torch's ProcessContext); call it from a "
+            "thread, or use torch.multiprocessing.spawn"
+        )
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"mp_spawn: args must be a tuple or list of arguments, got {type(args).__name__}")
+    return spawn(_with_index, nprocs, args=(fn, tuple(args)), start_method=start_method)
+
+
+def _with_index(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """mp.spawn's calling convention: the process index (its local rank) first."""
+    return fn(int(os.environ["LOCAL_RANK"]), *args)
+
+
 @contextlib.contextmanager
 def _agent_state() -> Iterator[None]:
     """Set up the caller for torch's agent, and put back what the agent changes (signals, environment)."""

@@ -329,3 +329,68 @@ def _ddp_knobs():
 
 def test_ddp_kwargs_reach_ddp(pool2):
     assert pool2.run(_ddp_knobs) == [(True, 1024 * 1024)] * 2
+
+
+# ---- AdamW parity, and where float noise grows (README: "What is exact") -------------------------------
+class _ReverseBatch(Callback):
+    """Reverse the rows of every batch: the same math for one process, summed in another order."""
+
+    def before_batch(self):
+        rows = torch.arange(self.learn.xb[0].shape[0] - 1, -1, -1)
+        self.learn.xb = tuple(x[rows] for x in self.learn.xb)
+        self.learn.yb = tuple(y[rows] for y in self.learn.yb)
+
+
+def _bn_model_no_bias():
+    return nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _adamw_learner(model_fn, bs, cbs=()):
+    set_seed(0)
+    train, valid = _data()
+    dls = DataLoaders(DataLoader(train, batch_size=bs, shuffle=True), DataLoader(valid, batch_size=16))
+    return Learner(dls, model_fn(), nn.CrossEntropyLoss(), opt_func=torch.optim.AdamW, lr=1e-2, cbs=cbs)
+
+
+def _adamw_parity(model_name):
+    model_fn = {"mlp": _mlp, "bn": _bn_model, "bn_no_bias": _bn_model_no_bias}[model_name]
+    world = dist.get_world_size()
+    single = _adamw_learner(model_fn, 8 * world)
+    reordered = _adamw_learner(model_fn, 8 * world, [_ReverseBatch()])
+    multi = _adamw_learner(model_fn, 8)
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(2)
+        reordered.fit(2)
+        with multi.distrib_ctx():
+            multi.fit(2)
+    a, b, r = _weights(single), _weights(multi), _weights(reordered)
+    diff = {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
+    reorder_diff = {k: float((a[k].float() - r[k].float()).abs().max()) for k in a}
+    x = _data()[1].tensors[0]
+    with torch.no_grad():  # the function the model computes on a batch (BatchNorm on batch statistics)
+        outputs = float((single.model.train()(x) - multi.model.train()(x)).abs().max())
+    return diff, reorder_diff, outputs
+
+
+def test_parity_adamw_mlp(pool2):
+    for diff, _, outputs in pool2.run(_adamw_parity, "mlp"):
+        assert max(diff.values()) < 1e-6 and outputs < 1e-6
+
+
+def test_parity_adamw_batchnorm_without_bias_before_it(pool2):
+    for diff, _, outputs in pool2.run(_adamw_parity, "bn_no_bias"):
+        assert max(diff.values()) < 1e-6 and outputs < 1e-6
+
+
+def test_adamw_turns_float_noise_into_steps_for_a_bias_before_batchnorm(pool2):
+    """A Linear bias right before BatchNorm has a true gradient of zero; its computed gradient is
+    rounding noise, which Adam normalises into full-size steps. Its value (and BatchNorm's running
+    mean, which tracks it) then differs between 2 processes and 1 by about lr * steps, exactly as
+    it differs between 1 process and 1 process summing its batch in another order. Every other
+    parameter, and what the model computes, still agree to float precision."""
+    for diff, reorder_diff, outputs in pool2.run(_adamw_parity, "bn"):
+        noisy = ("0.bias", "1.running_mean")
+        assert max(v for k, v in diff.items() if k not in noisy) < 1e-6
+        assert outputs < 1e-5  # BatchNorm cancels the bias: the same function
+        assert diff["0.bias"] > 1e-4 and reorder_diff["0.bias"] > 1e-4  # noise became steps...
+        assert diff["0.bias"] < 10 * reorder_diff["0.bias"]  # ...no more than reordering one batch does

@@ -89,3 +89,51 @@ def test_save_under_a_launcher_without_a_group_is_left_to_rank0(tmp_path, monkey
     assert not (tmp_path / "models" / "m.pth").exists()
     monkeypatch.setenv("RANK", "0")
     assert learn.save("m").exists()
+
+
+# ---- item 10: ranks that built different data ----------------------------------------------------------
+class _Augmented(torch.utils.data.Dataset):
+    """The same stored items on every rank, with a random augmentation drawn in __getitem__."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(self.x.shape[1]), self.y[i]
+
+
+def _data_checks():
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 + rank)  # random data made without a common seed
+    x = torch.randn(48, 6, generator=g)
+    own = TensorDataset(x, (x[:, 0] > 0).long())
+    results = {}
+    learn = _learner(8, data=(own, own))
+    try:
+        with learn.distrib_ctx():
+            results["unseeded"] = "no error"
+    except ValueError as exc:
+        results["unseeded"] = str(exc)
+    results["left_unwrapped"] = type(learn.model).__name__
+    with learn.distrib_ctx(check_data=False):  # the opt-out, for data meant to differ
+        results["opt_out_wrapped"] = type(learn.model).__name__
+    train, valid = _data()
+    torch.manual_seed(rank)  # per-rank RNG state: augmentations differ, the stored data does not
+    aug = _learner(8, data=(_Augmented(*train.tensors), valid))
+    torch.manual_seed(rank)
+    before = torch.rand(1)
+    torch.manual_seed(rank)
+    with aug.distrib_ctx():
+        results["augmented_rng_untouched"] = bool(torch.equal(torch.rand(1), before))
+    return results
+
+
+def test_ranks_holding_different_items_are_refused_by_name(pool2):
+    for r in pool2.run(_data_checks):
+        assert r["unseeded"].startswith("the train dataset differs across ranks: rank(s) [1] hold other")
+        assert "same length 48" in r["unseeded"] and "check_data=False" in r["unseeded"]
+        assert r["left_unwrapped"] == "Sequential" and r["opt_out_wrapped"] == "DistributedDataParallel"
+        assert r["augmented_rng_untouched"]  # no false alarm from augmentation, no RNG drawn

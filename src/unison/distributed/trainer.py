@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unison.callbacks.core import Callback
+from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
 from unison.distributed.collective import Collective
 from unison.distributed.env import group_active
 from unison.distributed.group import resolve_timeout, setup_distrib, teardown_distrib
@@ -70,9 +71,11 @@ class DistributedTrainer(Callback):
         cuda_id: int | None = None,
         sync_bn: bool = True,
         timeout: float | None = None,
+        check_data: bool = True,
         **ddp_kwargs: Any,
     ):
         self.cuda_id, self.sync_bn, self.timeout, self.ddp_kwargs = cuda_id, sync_bn, timeout, ddp_kwargs
+        self.check_data = check_data  # False: ranks may hold different data on purpose (same lengths)
         self.created_group = False
         self.active = False
         self._converted = False
@@ -129,19 +132,34 @@ class DistributedTrainer(Callback):
         return self.learn.device
 
     def _check_loaders_agree(self, collective: Collective) -> None:
-        """Every rank must hold the same data: a loader of different length would desynchronise them."""
+        """Every rank must hold the same data: a loader of different length would desynchronise them,
+        and different items (random data made without `set_seed`, another file per node) would mix."""
+        dls = (("train", self.learn.dls.train), ("valid", self.learn.dls.valid))
+        loaders = [(name, dl) for name, dl in dls if dl is not None]
         local = {
-            name: len(dl.dataset) if hasattr(dl.dataset, "__len__") else None
-            for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid))
-            if dl is not None
+            name: (
+                len(dl.dataset) if hasattr(dl.dataset, "__len__") else None,
+                dataset_fingerprint(dl.dataset) if self.check_data else None,
+            )
+            for name, dl in loaders
         }
         everyone = collective.gather_objects(local)
         for name in local:
-            sizes = [per_rank.get(name) for per_rank in everyone]
+            sizes = [per_rank[name][0] for per_rank in everyone]
             if len(set(sizes)) > 1:
                 raise ValueError(
                     f"the {name} dataset differs across ranks (sizes by rank: {sizes}): every rank "
                     "must build the same dataset; DistributedDL gives each its share"
+                )
+            prints = [per_rank[name][1] for per_rank in everyone]
+            if None not in prints and len(set(prints)) > 1:
+                others = [r for r, p in enumerate(prints) if p != prints[0]]
+                where = ", ".join(map(str, fingerprint_positions(sizes[0] or 0)))
+                raise ValueError(
+                    f"the {name} dataset differs across ranks: rank(s) {others} hold other items than "
+                    f"rank 0 (same length {sizes[0]}; items compared at positions {where}): build the "
+                    "data the same way on every rank (set_seed before making random data, the same "
+                    "files on every node), or pass distrib_ctx(check_data=False) if it is meant to differ"
                 )
 
     def before_epoch(self) -> None:

@@ -1,0 +1,108 @@
+"""A cheap fingerprint of a dataset, to check at `distrib_ctx` entry that every rank holds the same one.
+
+Ranks that build different data (random data made without `set_seed`, another file on another
+node) would otherwise train together silently on a mix. Comparing lengths alone misses that; reading
+the whole set is too dear. The fingerprint is the length plus a few items at fixed positions (first,
+last and evenly between), read under a fixed random seed so that random augmentations in
+`__getitem__` give the same values on every rank, and with every RNG put back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pickle
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+__all__ = ["dataset_fingerprint", "fingerprint_positions"]
+
+
+def fingerprint_positions(n: int, samples: int = 5) -> list[int]:
+    """The positions read: first, last and evenly between (at most `samples`).
+
+    >>> fingerprint_positions(48)
+    [0, 11, 23, 35, 47]
+    """
+    if n <= 0:
+        return []
+    return sorted({(n - 1) * i // max(1, samples - 1) for i in range(samples)})
+
+
+def dataset_fingerprint(dataset: Any, samples: int = 5) -> str | None:
+    """A short digest of `len(dataset)` and the items at `fingerprint_positions`; None for a stream.
+
+    None also when an item cannot be read (the loader will report that itself, with its traceback).
+
+    >>> from torch.utils.data import TensorDataset
+    >>> a = dataset_fingerprint(TensorDataset(torch.arange(10.0)))
+    >>> a == dataset_fingerprint(TensorDataset(torch.arange(10.0))), len(a)
+    (True, 16)
+    """
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return None
+    if not hasattr(dataset, "__getitem__"):
+        return None
+    n = len(dataset)
+    digest = hashlib.sha256(f"len={n}".encode())
+    try:
+        with _fixed_rng():
+            for i in fingerprint_positions(n, samples):
+                _feed(digest, dataset[i])
+    except Exception:
+        return None
+    return digest.hexdigest()[:16]
+
+
+def _feed(digest: Any, item: Any) -> None:
+    """Hash `item`'s values (tensors and arrays by their bytes, containers item by item)."""
+    if isinstance(item, torch.Tensor):
+        t = item.detach().cpu()
+        t = t.to_dense() if t.is_sparse else t
+        digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    elif type(item).__module__ == "numpy" and hasattr(item, "tobytes"):
+        digest.update(f"A{item.dtype}{getattr(item, 'shape', ())}".encode())
+        digest.update(item.tobytes())
+    elif isinstance(item, Mapping):
+        for key in sorted(item, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, item[key])
+    elif isinstance(item, (list, tuple)):
+        digest.update(f"S{len(item)}".encode())
+        for part in item:
+            _feed(digest, part)
+    elif isinstance(item, (str, bytes, int, float, bool, type(None))):
+        digest.update(repr(item).encode())
+    else:  # images and other objects: by their pickled state (never by id, which differs per process)
+        try:
+            digest.update(pickle.dumps(item, protocol=4))
+        except Exception:
+            digest.update(type(item).__qualname__.encode())
+
+
+@contextlib.contextmanager
+def _fixed_rng() -> Iterator[None]:
+    """Seed Python, NumPy and torch (CPU) with 0 for the block; put their states back afterwards."""
+    py_state = random.getstate()
+    np_random: Any = None
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        np_random = numpy.random
+    np_state = np_random.get_state() if np_random is not None else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        random.seed(0)
+        if np_random is not None:
+            np_random.seed(0)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np_random is not None:
+                np_random.set_state(np_state)

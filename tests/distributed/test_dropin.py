@@ -3,6 +3,7 @@ one metric given alone, and datasets that differ across ranks."""
 
 import contextlib
 import io
+import os
 
 import pytest
 import torch
@@ -137,3 +138,35 @@ def test_ranks_holding_different_items_are_refused_by_name(pool2):
         assert "same length 48" in r["unseeded"] and "check_data=False" in r["unseeded"]
         assert r["left_unwrapped"] == "Sequential" and r["opt_out_wrapped"] == "DistributedDataParallel"
         assert r["augmented_rng_untouched"]  # no false alarm from augmentation, no RNG drawn
+
+
+# ---- item 9: --timeout / distrib_ctx(timeout=) reach a group the script made ----------------------------
+def _group_timeout():
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _timeout_applied():
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    seen = {"made_by_the_pool": _group_timeout()}
+    learn = _learner(8)
+    with learn.distrib_ctx():  # nothing asked for: the script's own timeout is kept
+        seen["nothing_asked"] = _group_timeout()
+    with learn.distrib_ctx(timeout=7):
+        seen["distrib_ctx"] = _group_timeout()
+    os.environ["UNISON_TIMEOUT"] = "9"  # what `unison launch --timeout 9` exports
+    try:
+        learn.to_distributed(local_rank())
+        seen["launch_timeout"] = _group_timeout()
+        learn.detach_distributed()
+    finally:
+        del os.environ["UNISON_TIMEOUT"]
+        c10d._set_pg_timeout(datetime.timedelta(seconds=seen["made_by_the_pool"]))  # the pool's again
+    return seen
+
+
+def test_a_timeout_asked_for_bounds_a_group_the_script_made(pool2):
+    for seen in pool2.run(_timeout_applied):
+        assert seen == {"made_by_the_pool": 60, "nothing_asked": 60, "distrib_ctx": 7, "launch_timeout": 9}

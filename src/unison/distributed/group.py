@@ -87,8 +87,9 @@ def _loopback_listener(env: DistribEnv) -> int | None:
 def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend: str | None = None) -> bool:
     """Join the process group the environment describes; return True if this call created it.
 
-    gloo without CUDA, NCCL with it (binding `gpu`, default the local rank). A no-op
-    (False) when a group already exists or the process was not launched.
+    gloo without CUDA, NCCL with it (binding `gpu`, default the local rank). False when the
+    process was not launched, or when a group already exists (whoever made it): then a
+    `timeout` given here or by `unison launch --timeout` is applied to that group.
 
     >>> setup_distrib()       # under `unison launch --nproc 2 script.py`
     True
@@ -98,6 +99,7 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     if gpu is not None and cuda:
         torch.cuda.set_device(gpu)
     if group_active():
+        _bound_live_group(timeout)
         return False
     env = DistribEnv.from_environ()
     if env.world_size == 1 and env.master_port is None:
@@ -119,6 +121,20 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
     _created_here = True
     return True
+
+
+def _bound_live_group(timeout: float | None) -> None:
+    """Apply a timeout that was asked for (argument or `unison launch --timeout`) to the live group.
+
+    A group the script made (seed 002's `init_process_group`) keeps torch's 30 minutes otherwise;
+    a group unison made earlier (`rank0_first`) keeps the timeout it was made with. Left as is
+    when no timeout was asked for.
+    """
+    if timeout is None and not os.environ.get(TIMEOUT_ENV):
+        return
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
+    if set_timeout is not None:
+        set_timeout(datetime.timedelta(seconds=resolve_timeout(timeout)))
 
 
 def teardown_distrib() -> None:

@@ -88,6 +88,29 @@ def test_torchrun_command_lines_mean_what_they_mean_to_torchrun(monkeypatch, tmp
         launch_mod.parse_options(["--standalone", "--rdzv-endpoint", "127.0.0.1:5", script])
 
 
+def test_pet_variables_and_a_port_zero_endpoint_as_torchrun_reads_them(monkeypatch, tmp_path):
+    """Kubeflow's PyTorchJob runs a bare `torchrun train.py` with PET_* variables set."""
+    script = str(SCRIPTS / "probe.py")
+    pet = {"PET_NPROC_PER_NODE": "3", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "127.0.0.1"}
+    pet |= {"PET_MASTER_PORT": "29606", "PET_MAX_RESTARTS": "0", "PET_ROLE": "worker"}
+    for name, value in pet.items():
+        monkeypatch.setenv(name, value)
+    ours = launch_mod.parse_options([script])
+    theirs = torchrun.parse_args([script])
+    assert (ours.nproc, ours.max_nodes, ours.node_rank, ours.master_addr, ours.master_port) == (
+        int(theirs.nproc_per_node), 2, theirs.node_rank, theirs.master_addr, theirs.master_port,
+    )  # fmt: skip
+    assert ours.mode == "static" and ours.torchrun.agent["role"] == theirs.role == "worker"
+    assert launch_mod.parse_options(["--nproc_per_node", "1", script]).nproc == 1  # the flag wins
+    for name in pet:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    assert launch_mod.parse_options([script]).mode == "standalone"
+    monkeypatch.delenv("PET_STANDALONE")
+    zero = launch_mod.parse_options(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", script])
+    assert zero.mode == "standalone"  # torchrun's own spelling of --standalone
+
+
 # ---- real launches -------------------------------------------------------------------------------------
 def test_every_rank_shown_filter_redirect_and_absolute_file(tmp_path: Path) -> None:
     """Relative script path: __file__ absolute (as python gives it); torchrun's

@@ -161,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--node-rank", "--node_rank", type=int, metavar="I", help="this machine's rank, 0..N-1 (static)")
     add("--master-addr", "--master_addr", metavar="H", help="address of node 0, which hosts the rendezvous")
     add("--master-port", "--master_port", type=int, metavar="P", help="free port on node 0 (rendezvous)")
-    add("--rdzv-endpoint", "--rdzv_endpoint", metavar="H:P", help="elastic c10d rendezvous (not with master)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", metavar="H:P", help="elastic rendezvous (c10d)")
     add("--rdzv-id", "--rdzv_id", default="unison", metavar="ID", help="job id shared by the nodes (unison)")
     add("--max-restarts", "--max_restarts", type=int, default=0, metavar="K", help="restarts on failure")
     add(

@@ -28,6 +28,7 @@ import argparse
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
 from typing import Any
@@ -63,7 +64,7 @@ def add_torchrun_options(p: argparse.ArgumentParser) -> None:
     add(*_both("local-ranks-filter"), default="", metavar="R,..", help="local ranks shown on the console")
     add(*_both("role"), default="default", help="the workers' role name (torch's agent)")
     add(*_both("monitor-interval"), type=float, default=0.1, metavar="S", help="seconds between checks")
-    add(*_both("start-method"), choices=START_METHODS, default="spawn", help="(only for --run-path)")
+    add(*_both("start-method"), choices=START_METHODS, default="spawn", help="accepted (no effect)")
     add(*_both("event-log-handler"), default="null", metavar="NAME", help="torch's event log handler")
     add(*_both("duplicate-stdout-filters"), default="", metavar="A,B", help="stdout lines to a file")
     add(*_both("duplicate-stderr-filters"), default="", metavar="A,B", help="stderr lines to a file")
@@ -74,6 +75,35 @@ def add_torchrun_options(p: argparse.ArgumentParser) -> None:
     add(*_both("shutdown-timeout"), type=int, metavar="S", help="seconds before stopped workers are killed")
     add(*_both("virtual-local-rank"), action="store_true", help="LOCAL_RANK 0 everywhere, one GPU each")
     add(*_both("use-env"), action="store_true", help="torch.distributed.launch's: always so here")
+    p.set_defaults(**pet_defaults(os.environ))
+
+
+#: torchrun reads each option it is not given from `PET_<NAME>` (Kubeflow's PyTorchJob sets them).
+_PET_OPTIONS = (
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts",
+    "monitor_interval", "start_method", "event_log_handler", "role", "log_dir", "redirects", "tee",
+    "local_ranks_filter", "duplicate_stdout_filters", "duplicate_stderr_filters", "node_rank",
+    "master_addr", "master_port", "local_addr", "signals_to_handle", "shutdown_timeout",
+)  # fmt: skip
+_PET_FLAGS = ("standalone", "module", "no_python", "run_path", "virtual_local_rank")
+
+
+def pet_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Parser defaults from torchrun's `PET_*` variables (an option on the command line wins).
+
+    >>> pet_defaults({"PET_NPROC_PER_NODE": "4", "PET_STANDALONE": "1"})
+    {'nproc': '4', 'standalone': True}
+    """
+    found: dict[str, Any] = {}
+    for name in _PET_OPTIONS:
+        value = environ.get(f"PET_{name.upper()}")
+        if value:
+            found["nproc" if name == "nproc_per_node" else name] = value
+    for name in _PET_FLAGS:
+        value = environ.get(f"PET_{name.upper()}", "0")
+        if value not in ("", "0"):
+            found[name] = True
+    return found
 
 
 def parse_nproc(spec: str | None) -> int | None:
@@ -199,6 +229,9 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
         if a.nnodes.split(":")[-1] != "1":
             raise LaunchError(f"--rdzv-backend {backend} across machines needs --rdzv-endpoint HOST:PORT")
         backend = None  # one machine: unison's own rendezvous (a free port) is the same thing
+    single = a.nnodes.split(":")[-1] == "1"
+    if a.rdzv_endpoint and a.rdzv_endpoint.rpartition(":")[2] == "0" and single:
+        a.rdzv_endpoint = None  # torchrun's "localhost:0": a free port here, unison's standalone mode
     if a.rdzv_endpoint and a.node_rank is not None:
         notes.append("--node-rank is ignored with an elastic rendezvous (the rendezvous assigns ranks)")
         a.node_rank = None

@@ -78,7 +78,7 @@ def test_two_nodes_on_loopback_match_one_machine(single_machine: dict) -> None:
     for name, (rc, _, err, _) in done.items():
         assert rc == 0, f"{name}:\n{err}"
     assert_same_training(result(done["static0"][1]), single_machine)
-    assert not tagged(done["static1"][1], "RESULT")  # stdout of rank 0 only: node 1 prints none
+    assert not tagged(done["static1"][1], "RESULT")  # the script prints RESULT on rank 0 only
     (elastic_result,) = [r for name in ("elastic_a", "elastic_b") for r in tagged(done[name][1], "RESULT")]
     assert_same_training(elastic_result, single_machine)
     info = tagged(done["static1"][2], "RANKINFO")

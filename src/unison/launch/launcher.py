@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.rendezvous import ReleaseStopped, heartbeat_store
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
@@ -341,7 +342,7 @@ def launch(opts: LaunchOptions) -> int:
         print(plan.describe(opts), file=sys.stderr, flush=True)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with exported(plan.env):
+        with ReleaseStopped(), _heartbeats(opts) as beats, exported({**plan.env, **beats}):
             launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
@@ -369,6 +370,11 @@ def launch(opts: LaunchOptions) -> int:
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):
                 os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
+
+
+def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:
+    """One machine: the launcher hosts the workers' heartbeat store (a frozen rank 0 cannot take it down)."""
+    return heartbeat_store() if opts.max_nodes == 1 else contextlib.nullcontext({})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,116 @@
+"""What the launcher hosts and watches beside torch's agent, so a frozen worker cannot hang a job.
+
+- `heartbeat_store`: the store the workers' watchdogs publish their progress to, hosted in the
+  launcher (the agent's process), not in rank 0: a rank that freezes (SIGSTOP, swapped out,
+  D-state) must not take the store the others diagnose it with down with it.
+- `ReleaseStopped`: torch's agent stops the workers with SIGTERM and waits up to 30 s before
+  SIGKILL; a stopped process keeps a SIGTERM pending and never acts on it. This thread
+  continues (SIGCONT) a child that is stopped with a SIGTERM pending, so it ends at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+from unison.distributed.watchdog import HEARTBEAT_ENV
+
+
+def _listener(host: str) -> socket.socket:
+    """A listening socket on `host`, any free port (loopback stays loopback: nothing else can reach it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    return sock
+
+
+@contextlib.contextmanager
+def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
+    """Host the heartbeat store in this process for the block; yield the variables workers need.
+
+    >>> with heartbeat_store() as env:
+    ...     env[HEARTBEAT_ENV]
+    '127.0.0.1:41234'
+    """
+    import torch.distributed as dist
+
+    if not ipaddress.ip_address(host).is_loopback:
+        raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
+    sock = _listener(host)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+        master_listen_fd=sock.detach(),  # bound to loopback: a TCPStore alone binds every interface
+    )
+    try:
+        yield {HEARTBEAT_ENV: f"{host}:{port}"}
+    finally:
+        del store
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in task.read_text().split()]
+    return found
+
+
+def stopped_with_pending_term(pid: int) -> bool:
+    """True when `pid` is stopped (state T) and a SIGTERM is pending for it (read from /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if not fields.get("State", "").strip().startswith("T"):
+        return False
+    term = 1 << (int(signal.SIGTERM) - 1)
+    pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(
+        fields.get("SigPnd", "0").strip() or "0", 16
+    )
+    return bool(pending & term)
+
+
+class ReleaseStopped:
+    """A thread that continues this process's stopped children once they are told to terminate.
+
+    >>> with ReleaseStopped():
+    ...     launch_agent(config, sys.executable, args)  # doctest: +SKIP
+    """
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unison-release-stopped", daemon=True)
+
+    def __enter__(self) -> ReleaseStopped:
+        if os.path.isdir("/proc/self/task"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval)
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while not self._stop.wait(self.interval):
+            for child in _children(me):
+                if stopped_with_pending_term(child):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(child, signal.SIGCONT)

@@ -1,0 +1,54 @@
+"""Checkpoint files on a hostile disk: flipped bits, a full disk, stale temp files."""
+
+import zipfile
+
+import pytest
+import torch
+
+from unison.serialization import CheckpointError, atomic_save, safe_load
+
+
+def _state(n=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"unison_format": 1, "kind": "checkpoint", "model": {"w": torch.randn(n, generator=g), "b": torch.ones(3)}}
+
+
+def _entry_span(path, suffix):
+    """(offset, size) of the data of the zip entry whose name ends with `suffix` (read with zipfile)."""
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as f:  # the local header: 30 bytes + name + extra, then the data
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len, info.file_size, info.filename
+
+
+def test_flipped_bits_in_a_tensor_are_refused_naming_the_entry(tmp_path):
+    path = atomic_save(_state(), tmp_path / "c.pth")
+    start, size, name = _entry_span(path, "data/0")
+    raw = bytearray(path.read_bytes())
+    middle = start + size // 2
+    for i in range(16):  # 16 flipped bits in the middle of the tensor's data, as in the report
+        raw[middle + i // 8] ^= 1 << (i % 8)
+    path.write_bytes(bytes(raw))
+    # Without a check torch loads it: the damage is silent (what the issue found).
+    loaded = torch.load(path, weights_only=True)
+    assert not torch.equal(loaded["model"]["w"], _state()["model"]["w"])
+    with pytest.raises(CheckpointError, match=f"damaged.*{name}.*CRC"):
+        safe_load(path)
+
+
+def test_an_intact_checkpoint_loads_bit_identical(tmp_path):
+    path = atomic_save(_state(), tmp_path / "c.pth")
+    loaded = safe_load(path)
+    assert torch.equal(loaded["model"]["w"], _state()["model"]["w"])
+
+
+def test_a_flipped_bit_in_the_pickle_is_refused(tmp_path):
+    path = atomic_save(_state(), tmp_path / "c.pth")
+    start, size, name = _entry_span(path, "data.pkl")
+    raw = bytearray(path.read_bytes())
+    raw[start + size - 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"damaged.*{name}"):
+        safe_load(path)

@@ -10,7 +10,8 @@ from unison.serialization import CheckpointError, atomic_save, safe_load
 
 def _state(n=4096, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"unison_format": 1, "kind": "checkpoint", "model": {"w": torch.randn(n, generator=g), "b": torch.ones(3)}}
+    model = {"w": torch.randn(n, generator=g), "b": torch.ones(3)}
+    return {"unison_format": 1, "kind": "checkpoint", "model": model}
 
 
 def _entry_span(path, suffix):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_scripts import disks
+
 pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
 
 SCRIPT = Path(__file__).parent / "fault_scripts" / "resumable.py"
@@ -94,3 +96,16 @@ def test_a_single_machine_job_listens_on_loopback_only(tmp_path):
     addresses = [line.split()[-1] for line in proc.stdout.splitlines() if "LISTEN rank" in line]
     assert addresses  # the store and gloo's sockets at least
     assert all(a.startswith(("127.0.0.1:", "[::1]:")) for a in addresses), addresses
+
+
+def test_a_full_disk_stops_the_job_naming_it_and_does_not_restart_into_it(tmp_path):
+    with disks.small_disk(tmp_path / "disk", size="256k") as disk:
+        disks.fill(disk, 4096)
+        proc, _ = launch(disk, "--max-restarts", "2", timeout=120)
+    assert proc.returncode != 0
+    assert "disk full (ENOSPC) writing" in proc.stderr and "checkpoint.pth" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert "not restarting" in proc.stderr
+    assert "restarting the workers" not in proc.stderr
+    assert leftover_workers(str(tmp_path)) == []

@@ -5,7 +5,16 @@ import zipfile
 import pytest
 import torch
 
-from unison.serialization import CheckpointError, atomic_save, safe_load
+from tests.fault_scripts import disks
+from unison.serialization import (
+    CheckpointError,
+    DiskFullError,
+    atomic_save,
+    free_bytes,
+    human_bytes,
+    safe_load,
+    storage_bytes,
+)
 
 
 def _state(n=4096, seed=0):
@@ -53,3 +62,43 @@ def test_a_flipped_bit_in_the_pickle_is_refused(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=f"damaged.*{name}"):
         safe_load(path)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with disks.small_disk(tmp_path / "disk") as mount:
+        yield mount
+
+
+def _many(n, numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "unison_format": 1,
+        "kind": "checkpoint",
+        "model": {f"t{i}": torch.randn(numel, generator=g) for i in range(n)},
+    }
+
+
+@pytest.mark.parametrize("when", ["before writing", "while writing"])
+def test_a_full_disk_is_reported_as_such_and_the_previous_checkpoint_survives(small_disk, when):
+    path = small_disk / "checkpoint.pth"
+    first = _many(50, 256, seed=0)  # 50 KB of tensors
+    atomic_save(first, path)
+    second = _many(50, 256, seed=1)
+    # Before: less room than the tensors need. While: room for the tensors, not for the zip around them.
+    disks.fill(small_disk, 20_000 if when == "before writing" else storage_bytes(second) + 8192)
+    with pytest.raises(DiskFullError) as info:
+        atomic_save(second, path)
+    message = str(info.value)
+    assert (
+        "ENOSPC" in message
+        and str(path) in message
+        and f"{human_bytes(free_bytes(small_disk))} free" in message
+    )
+    if when == "before writing":
+        assert f"needs about {human_bytes(storage_bytes(second))}" in message
+    else:  # torch's own error here was "unexpected pos ...": the disk's is kept
+        assert "were written" in message
+    assert list(small_disk.glob(".checkpoint.pth.*.tmp")) == []  # nothing half-written is left
+    loaded = safe_load(path)  # the previous checkpoint is whole
+    assert all(torch.equal(loaded["model"][k], first["model"][k]) for k in first["model"])

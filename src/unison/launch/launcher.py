@@ -31,6 +31,7 @@ from unison.launch.rendezvous import ReleaseStopped, heartbeat_store
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
+    RestartRefused,
     exported,
     failure_summary,
     interface_for,
@@ -350,6 +351,9 @@ def launch(opts: LaunchOptions) -> int:
         summary, code = failure_summary(err, plan.logs if plan else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
+    except RestartRefused as refused:
+        print(f"unison launch: {refused}", file=sys.stderr, flush=True)
+        return 1
     except SignalException as sig:
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down", file=sys.stderr)
         return 128 + int(sig.sigval)

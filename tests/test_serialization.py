@@ -1,5 +1,8 @@
 """Checkpoint files on a hostile disk: flipped bits, a full disk, stale temp files."""
 
+import subprocess
+import sys
+import time
 import zipfile
 
 import pytest
@@ -12,6 +15,7 @@ from unison.serialization import (
     atomic_save,
     free_bytes,
     human_bytes,
+    remove_stale_temps,
     safe_load,
     storage_bytes,
 )
@@ -102,3 +106,68 @@ def test_a_full_disk_is_reported_as_such_and_the_previous_checkpoint_survives(sm
     assert list(small_disk.glob(".checkpoint.pth.*.tmp")) == []  # nothing half-written is left
     loaded = safe_load(path)  # the previous checkpoint is whole
     assert all(torch.equal(loaded["model"][k], first["model"][k]) for k in first["model"])
+
+
+_WRITER = """
+import sys, torch
+from unison.serialization import atomic_save
+state = {"unison_format": 1, "kind": "checkpoint", "model": {"w": torch.randn(8_000_000)}}
+print("ready", flush=True)
+while True:
+    atomic_save(state, sys.argv[1])
+"""
+
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1].format(pid=os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _size(file):
+    try:
+        return file.stat().st_size
+    except FileNotFoundError:  # renamed meanwhile
+        return 0
+
+
+def _killed_mid_write(path):
+    """Start a writer saving `path` over and over, SIGKILL it while a temp file exists."""
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    while not any(_size(t) > 1_000_000 for t in path.parent.glob(f".{path.name}.*.tmp")):
+        assert time.monotonic() < deadline, "the writer never got into a save"
+        time.sleep(0.002)
+    writer.kill()
+    writer.wait(30)
+    return list(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def test_a_kill_during_a_save_leaves_a_temp_file_that_the_next_save_removes(tmp_path):
+    path = tmp_path / "checkpoint.pth"
+    stale = _killed_mid_write(path)
+    assert len(stale) == 1 and stale[0].stat().st_size > 0
+    atomic_save(_state(), path)
+    assert list(tmp_path.glob(".*.tmp")) == []
+    assert torch.equal(safe_load(path)["model"]["w"], _state()["model"]["w"])
+
+
+def test_a_live_writers_temp_file_is_never_removed(tmp_path):
+    path = tmp_path / "checkpoint.pth"
+    pattern = str(tmp_path / ".checkpoint.pth.{pid}.0123456789ab.tmp")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, pattern], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        live = tmp_path / f".checkpoint.pth.{holder.pid}.0123456789ab.tmp"
+        other = tmp_path / ".other.pth.1.0123456789ab.tmp"  # another checkpoint's: not ours to judge
+        other.write_bytes(b"x")
+        assert remove_stale_temps(path) == []
+        atomic_save(_state(), path)
+        assert live.exists() and other.exists()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert remove_stale_temps(path) == [live]  # its writer is gone now

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
-from unison.launch.rendezvous import ReleaseStopped, heartbeat_store
+from unison.launch.rendezvous import ReleaseStopped, check_rdzv_endpoint, heartbeat_store
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
@@ -336,6 +336,12 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.launcher.api import launch_agent
 
     quiet_torch_logs(opts.verbose)
+    if opts.rdzv_endpoint:
+        try:
+            check_rdzv_endpoint(opts.rdzv_endpoint)
+        except LaunchError as exc:
+            print(f"unison launch: error: {exc}", file=sys.stderr)
+            return 2
     log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
     plan: LaunchPlan | None = None
     try:

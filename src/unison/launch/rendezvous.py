@@ -114,3 +114,58 @@ class ReleaseStopped:
                 if stopped_with_pending_term(child):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(child, signal.SIGCONT)
+
+
+def _answers_as_store(addr: str, port: int, wait: float) -> bool:
+    """True when the program listening at `addr:port` answers as a c10d TCPStore within `wait` s."""
+    import torch.distributed as dist
+
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            store = dist.TCPStore(
+                addr, port, is_master=False, timeout=timedelta(seconds=wait), wait_for_workers=False
+            )
+            store.check(["unison/probe"])
+            answered.append(True)
+        except Exception:
+            answered.append(False)
+
+    thread = threading.Thread(target=probe, name="unison-probe-store", daemon=True)
+    thread.start()
+    thread.join(wait + 1.0)  # a client call has no bound of its own against a silent server
+    return bool(answered and answered[0])
+
+
+def is_local_address(addr: str) -> bool:
+    """True when `addr` is loopback or one of this machine's interface addresses."""
+    from unison.launch.support import interface_addresses
+
+    try:
+        if ipaddress.ip_address(addr).is_loopback:
+            return True
+    except ValueError:
+        return False
+    return any(addr in addrs for addrs in interface_addresses().values())
+
+
+def check_rdzv_endpoint(endpoint: str, wait: float = 3.0) -> None:
+    """Fail fast when the elastic endpoint's port on this machine is held by a program that is not
+    a c10d store (torch's agent would connect to it and wait forever). A port held by a store is
+    fine: another node of the same job, started on this machine, hosts the rendezvous there.
+
+    >>> check_rdzv_endpoint("127.0.0.1:29400")  # raises LaunchError if a web server holds 29400
+    """
+    from unison.launch.support import LaunchError, port_in_use, resolve
+
+    host, _, port_text = endpoint.rpartition(":")
+    _, addr = resolve(host.strip("[]"))
+    port = int(port_text)
+    if not is_local_address(addr) or not port_in_use(port):
+        return  # another machine hosts it, or this node will
+    if not _answers_as_store(addr, port, wait):
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint}: port {port} on this machine is held by a program that is not "
+            f"a c10d rendezvous store (no answer as one within {wait:.0f} s): choose a free port"
+        )

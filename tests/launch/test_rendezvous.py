@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from unison.launch.launcher import parse_options, plan_launch
 from unison.launch.rendezvous import check_rdzv_endpoint
 from unison.launch.support import LaunchError
 
@@ -57,3 +59,26 @@ def test_a_free_endpoint_port_is_accepted(foreign_listener):
     check_rdzv_endpoint(f"127.0.0.1:{free}")
     with pytest.raises(LaunchError, match="not a c10d rendezvous store"):
         check_rdzv_endpoint(f"127.0.0.1:{foreign_listener}", wait=1.0)
+
+
+def test_the_one_machine_rendezvous_file_is_private_to_the_user(tmp_path):
+    plan = plan_launch(parse_options(["--nproc", "2", str(PROBE)]), str(tmp_path))
+    path = Path(plan.config.rdzv_endpoint)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # torch's FileStore made it 0644
+    finally:
+        path.unlink()
+
+
+@pytest.mark.slow
+def test_log_folders_and_files_are_private_to_the_user(tmp_path):
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--log-dir", str(logs), str(PROBE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    attempt = logs / "attempt_0"
+    assert stat.S_IMODE(attempt.stat().st_mode) == 0o700
+    files = sorted(attempt.glob("rank*.log"))
+    assert len(files) == 4  # stdout and stderr of 2 ranks
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+    assert '"RANK": "1"' in (attempt / "rank1.stdout.log").read_text()  # torch wrote into them as they were

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
-from unison.launch.rendezvous import ReleaseStopped, check_rdzv_endpoint, heartbeat_store
+from unison.launch.rendezvous import (
+    ReleaseStopped,
+    check_rdzv_endpoint,
+    heartbeat_store,
+    private_rendezvous_file,
+)
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
@@ -286,7 +291,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         # The agents rendezvous through a file (no socket at all); workers get MASTER_ADDR
         # 127.0.0.1, where rank 0 hosts their store (setup_distrib binds it to loopback).
         run_id, local_addr = uuid.uuid4().hex, "127.0.0.1"
-        backend, endpoint = "c10d", os.path.join(tempfile.gettempdir(), f"unison-rendezvous-{run_id}")
+        backend, endpoint = "c10d", private_rendezvous_file(run_id)
         configs: dict[str, object] = {"store_type": "file"}
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.mode == "static" and opts.max_nodes == 1 and opts.max_restarts:  # restartable: c10d, here

@@ -169,3 +169,32 @@ def check_rdzv_endpoint(endpoint: str, wait: float = 3.0) -> None:
             f"--rdzv-endpoint {endpoint}: port {port} on this machine is held by a program that is not "
             f"a c10d rendezvous store (no answer as one within {wait:.0f} s): choose a free port"
         )
+
+
+def private_rendezvous_file(run_id: str) -> str:
+    """Create the one-machine rendezvous file, readable and writable by this user only (0600).
+
+    torch's FileStore would create it under the umask (0644: any local user could read it).
+
+    >>> private_rendezvous_file("0f3c")
+    '/tmp/unison-rendezvous-0f3c'
+    """
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"unison-rendezvous-{run_id}")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
+
+
+def private_dir(path: str) -> str:
+    """Make `path` (and nothing above it) a folder only this user can enter (0700)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask, and skipped for an existing folder
+    return path
+
+
+def private_files(*paths: str) -> None:
+    """Create empty files only this user can read (0600); torch then writes into them as they are."""
+    for path in paths:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.chmod(path, 0o600)

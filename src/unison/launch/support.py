@@ -22,6 +22,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from unison.launch.rendezvous import private_dir, private_files
+
 
 class LaunchError(ValueError):
     """Bad launch options or environment, found before any process starts (one readable line)."""
@@ -223,8 +225,9 @@ class RankLogsSpecs(LogsSpecs):
         if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
             most = next(iter(envs.values()), {}).get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"unison launch: restarting the workers (restart {attempt} of {most})", file=sys.stderr)
-        base = os.path.join(self.root_log_dir, f"attempt_{attempt}")
-        os.makedirs(base, exist_ok=True)
+        base = private_dir(
+            os.path.join(self.root_log_dir, f"attempt_{attempt}")
+        )  # 0700: logs may hold secrets
         dest = LogsDest(
             filtered_stdout=os.path.join(base, "filtered_stdout.log"),
             filtered_stderr=os.path.join(base, "filtered_stderr.log"),
@@ -235,6 +238,7 @@ class RankLogsSpecs(LogsSpecs):
             out, err, error_file = f"{stem}.stdout.log", f"{stem}.stderr.log", f"{stem}.error.json"
             with contextlib.suppress(FileNotFoundError):
                 os.remove(error_file)  # a stale one from an earlier run would be read as this failure
+            private_files(out, err)
             dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
             dest.tee_stderrs[local_rank] = err
             if self.all_stdout or rank == 0:

@@ -32,6 +32,8 @@ from unison.launch.rendezvous import (
     check_rdzv_endpoint,
     heartbeat_store,
     private_rendezvous_file,
+    rdzv_failure_hint,
+    rdzv_store_configs,
 )
 from unison.launch.support import (
     LaunchError,
@@ -305,6 +307,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         backend, endpoint, run_id = "c10d", str(opts.rdzv_endpoint), opts.rdzv_id
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
+        configs.update(rdzv_store_configs(endpoint, rdzv_timeout))  # the endpoint's owner hosts the store
     if backend == "c10d" and opts.max_restarts > 0:
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
         # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
@@ -376,6 +379,8 @@ def launch(opts: LaunchOptions) -> int:
         if any(word in name for word in ("Store", "Rendezvous", "Network")):
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
+            if opts.rdzv_endpoint:
+                hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint)})"
         print(f"unison launch: {name}: {str(exc).strip()}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -198,3 +198,49 @@ def private_files(*paths: str) -> None:
     for path in paths:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.chmod(path, 0o600)
+
+
+def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
+    """torch c10d rendezvous options that make the node owning the endpoint's address host the store.
+
+    torch decides who hosts by comparing the endpoint with this machine's *hostname*, so cloned
+    machines (same hostname, /etc/hosts pointing elsewhere) all decline, or all claim it. The
+    address is what counts: `is_host` is True on the node with an interface holding it, False on
+    the others. (Left to torch when it already agrees and the address is loopback, so two nodes
+    started on one machine still settle it between themselves.) `timeout` bounds how long a node
+    waits to reach the store, so a store nobody hosts fails the launch instead of hanging it.
+
+    >>> rdzv_store_configs("10.0.0.1:29400", 60)  # on the machine that has 10.0.0.1
+    {'is_host': True, 'read_timeout': 60}
+    """
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    from unison.launch.support import resolve
+
+    host, _, _ = endpoint.rpartition(":")
+    host = host.strip("[]")
+    _, addr = resolve(host)
+    configs: dict[str, object] = {"read_timeout": timeout} if timeout else {}
+    owned = is_local_address(addr)
+    if owned and ipaddress.ip_address(addr).is_loopback:
+        return configs  # one machine: torch's own choice, with its fall-back to a client
+    if owned != _matches_machine_hostname(host):
+        configs["is_host"] = owned
+    return configs
+
+
+def rdzv_failure_hint(endpoint: str) -> str:
+    """Why an elastic rendezvous at `endpoint` could not form, as far as this node can tell."""
+    from unison.launch.support import LaunchError, resolve
+
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        _, addr = resolve(host)
+    except LaunchError as exc:
+        return str(exc)
+    if is_local_address(addr):
+        return f"this node has {addr} and hosted the rendezvous store: did the other nodes start?"
+    return (
+        f"the node that has the address {addr} hosts the rendezvous store, and none answered within "
+        "the timeout: is it started, and does a machine of the job really have that address?"
+    )

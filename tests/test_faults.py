@@ -62,9 +62,9 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     assert leftover_workers(str(tmp_path)) == []
 
 
-# The whole matrix (2 processes: ranks 0, 1; 3 processes: ranks 0, 1, 2) passes; the suite keeps
-# rank 0 (which used to host the store) and the last rank, to bound its time (~12 s a launch).
-@pytest.mark.parametrize("nproc,frozen", [(2, 0), (3, 0), (3, 2)])
+# The whole matrix (2 processes: ranks 0, 1; 3 processes: ranks 0, 1, 2) passes, 17-22 s each on
+# 2 loaded cores; the suite keeps rank 0 (which used to host the store) and the last rank.
+@pytest.mark.parametrize("nproc,frozen", [(2, 0), (3, 2)])
 def test_a_frozen_rank_fails_the_job_within_timeout_plus_30s_naming_it(tmp_path, nproc, frozen):
     try:
         proc, elapsed = launch(

@@ -218,16 +218,14 @@ class RankLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt != "0":
+        if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
             hopeless = pointless_restart(os.path.join(self.root_log_dir, f"attempt_{int(attempt) - 1}"))
             if hopeless:
                 raise RestartRefused(f"not restarting: {hopeless}")
-        if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
             most = next(iter(envs.values()), {}).get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"unison launch: restarting the workers (restart {attempt} of {most})", file=sys.stderr)
-        base = private_dir(
-            os.path.join(self.root_log_dir, f"attempt_{attempt}")
-        )  # 0700: logs may hold secrets
+        # 0700, files 0600: logs may hold secrets, and other local users must not read them.
+        base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
             filtered_stdout=os.path.join(base, "filtered_stdout.log"),
             filtered_stderr=os.path.join(base, "filtered_stderr.log"),

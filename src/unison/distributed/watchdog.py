@@ -73,7 +73,8 @@ class Watchdog:
         self._store = self._connect()
         # Scoped to this group: a later group (or an elastic restart) on the same store starts clean.
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"unison/heartbeat/{restart}/{group_generation()}/"
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "")  # a job nested in another shares no keys with it
+        self._prefix = f"unison/heartbeat/{job}/{restart}/{group_generation()}/"
 
     @staticmethod
     def _connect() -> dist.Store | None:

@@ -42,6 +42,7 @@ from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
 from unison.data.batch import DataLoaders, cat_padded, take_rows, tensors_in, to_device
+from unison.data.checks import refuse_empty_train
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
@@ -214,6 +215,7 @@ class Learner:
             raise ValueError(f"fit: n_epoch must be a non-negative int, got {n_epoch!r}")
         if lr is not None:
             self._check_lr(lr)
+        refuse_empty_train(self.dls.train)
         with self.added_cbs(cbs):
             if self.opt is None:
                 self.create_opt()
@@ -588,9 +590,11 @@ class Learner:
         try:
             yield self
         except Exception as exc:
-            # A collective that failed because another rank stopped: say which one.
+            # A collective that failed because another rank stopped: say which one. (Only a
+            # RuntimeError can be one: this rank's own ValueError/TypeError is its own cause.)
             trainer = self.get_cb(DistributedTrainer)
-            stalled = trainer.diagnose() if isinstance(trainer, DistributedTrainer) else None
+            failed_collective = isinstance(trainer, DistributedTrainer) and isinstance(exc, RuntimeError)
+            stalled = trainer.diagnose() if failed_collective else None
             if stalled is not None:
                 raise stalled from exc
             raise

@@ -2,6 +2,8 @@
 
 import contextlib
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,6 +139,29 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
     b = _learner(tmp_path / "b", 8)  # made after a's fit: the same RNG state when it starts
     _fit(b, resume=True)
     assert _same(_weights(a), _weights(b))
+
+
+class SeeFile(Callback):
+    def __init__(self, file):
+        self.file, self.seen = file, []
+
+    def before_epoch(self):
+        self.seen.append(self.file.exists())
+
+
+def test_resume_removes_the_temp_file_a_killed_save_left(tmp_path):
+    first = _learner(tmp_path, 8)
+    with pytest.raises(Stop):
+        _fit(first, cbs=[StopAt(3)])
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / "models" / f".checkpoint.pth.{int(gone.stdout)}.0123456789ab.tmp"  # its writer is dead
+    stale.write_bytes(b"PK" + b"\0" * 4096)
+    resumed = _learner(tmp_path, 8)
+    watch = SeeFile(stale)
+    _fit(resumed, cbs=[watch], resume=True)
+    assert watch.seen[0] is False  # already gone when training resumed, before any new save
 
 
 def test_resume_needs_a_checkpoint_callback(tmp_path):

@@ -20,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever inside a step")
+parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank SIGSTOPs itself after a step")
 parser.add_argument("--at", type=int, default=5, help="...at this training step (counted over the run)")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -38,6 +39,8 @@ class Fault(Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank_distrib() == args.hang_rank:
                 time.sleep(10_000)
+            if rank_distrib() == args.freeze_rank:  # paused, swapped out: every thread stops
+                os.kill(os.getpid(), signal.SIGSTOP)
 
 
 set_seed(0)

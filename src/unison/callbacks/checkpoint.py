@@ -27,6 +27,7 @@ from unison.serialization import (
     CheckpointError,
     atomic_save,
     check_state_fits,
+    remove_stale_temps,
     safe_load,
 )
 
@@ -116,9 +117,11 @@ class Checkpoint(Callback):
 
     def restore_latest(self) -> bool:
         """Load the checkpoint into the learner and set where `fit` continues; False if there is none."""
+        learn = self.learn
+        if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
+            remove_stale_temps(self.file)
         if not self.file.exists():
             return False
-        learn = self.learn
         state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
         check_state_fits(learn.raw_model, state["model"], self.file)
         global_batch = self._global_batch()

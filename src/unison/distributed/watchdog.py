@@ -31,6 +31,11 @@ import torch.distributed as dist
 from unison.distributed.env import DistribEnv
 from unison.distributed.group import created_by_unison, group_generation
 
+#: Set by `unison launch` to the heartbeat store it hosts ("HOST:PORT"); see unison.launch.rendezvous.
+HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
+#: Seconds a diagnosis may spend reading heartbeats: a store that does not answer is itself a finding.
+READ_LIMIT_S = 5.0
+
 # Watchdogs still beating: stopped before the interpreter shuts down, so no heartbeat is
 # caught inside a store call while C++ objects are torn down (an abort at exit otherwise).
 _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -68,13 +73,22 @@ class Watchdog:
         self._store = self._connect()
         # Scoped to this group: a later group (or an elastic restart) on the same store starts clean.
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"unison/heartbeat/{restart}/{group_generation()}/"
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "")  # a job nested in another shares no keys with it
+        self._prefix = f"unison/heartbeat/{job}/{restart}/{group_generation()}/"
 
     @staticmethod
     def _connect() -> dist.Store | None:
-        """A store every rank can reach: a client of our own when unison made the group (a store is
-        known to listen at MASTER_ADDR:MASTER_PORT), else the live group's own store."""
+        """A store every rank can reach: the launcher's heartbeat store under `unison launch` on one
+        machine (it lives outside every worker, so a frozen rank cannot take it down), else a
+        client of our own when unison made the group (a store is known to listen at
+        MASTER_ADDR:MASTER_PORT), else the live group's own store."""
         try:
+            hosted = os.environ.get(HEARTBEAT_ENV, "")
+            if hosted:
+                host, _, port = hosted.rpartition(":")
+                return dist.TCPStore(
+                    host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
+                )
             if created_by_unison():
                 env = DistribEnv.from_environ()
                 assert env.master_addr is not None and env.master_port is not None
@@ -142,17 +156,47 @@ class Watchdog:
         except (ValueError, AttributeError, OSError):  # no real stderr (embedded): nothing to show
             pass
 
+    def _read_beats(self, store: dist.Store) -> dict[int, dict]:
+        """Everyone's last heartbeat, read within `READ_LIMIT_S` (a store client call has no bound
+        of its own against a server that accepts but never answers: a frozen host)."""
+        beats: dict[int, dict] = {}
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                for rank in range(self.world_size):
+                    if store.check([f"{self._prefix}{rank}"]):
+                        beats[rank] = json.loads(store.get(f"{self._prefix}{rank}"))
+            except BaseException as exc:  # reported to the caller
+                failed.append(exc)
+
+        reader = threading.Thread(target=read, name="unison-diagnose", daemon=True)
+        reader.start()
+        reader.join(READ_LIMIT_S)
+        if reader.is_alive():
+            raise TimeoutError(f"the heartbeat store did not answer within {READ_LIMIT_S:.0f} s")
+        if failed:
+            raise failed[0]
+        return beats
+
     def diagnose(self) -> RankStalledError | None:
         """The rank that stopped taking part, from everyone's heartbeats (None if it cannot tell)."""
         if self._store is None:
             return None
-        now, beats = time.time(), {}
-        for rank in range(self.world_size):
-            try:
-                if self._store.check([f"{self._prefix}{rank}"]):
-                    beats[rank] = json.loads(self._store.get(f"{self._prefix}{rank}"))
-            except Exception:
+        now = time.time()
+        try:
+            beats = self._read_beats(self._store)
+        except TimeoutError:
+            if os.environ.get(HEARTBEAT_ENV) or self.rank == 0:
                 return None
+            # The store lives in rank 0's process (no launcher hosts one): its silence names rank 0.
+            return RankStalledError(
+                "rank 0 stopped taking part: the store it hosts did not answer within "
+                f"{READ_LIMIT_S:.0f} s (process frozen or its machine unreachable)",
+                0,
+            )
+        except Exception:
+            return None
         never = [r for r in range(self.world_size) if r not in beats]
         if never:
             return RankStalledError(

@@ -28,9 +28,18 @@ from typing import TYPE_CHECKING
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
 from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
+from unison.launch.rendezvous import (
+    ReleaseStopped,
+    check_rdzv_endpoint,
+    heartbeat_store,
+    private_rendezvous_file,
+    rdzv_failure_hint,
+    rdzv_store_configs,
+)
 from unison.launch.support import (
     LaunchError,
     RankLogsSpecs,
+    RestartRefused,
     exported,
     failure_summary,
     interface_for,
@@ -297,7 +306,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         # The agents rendezvous through a file (no socket at all); workers get MASTER_ADDR
         # 127.0.0.1, where rank 0 hosts their store (setup_distrib binds it to loopback).
         run_id, local_addr = uuid.uuid4().hex, "127.0.0.1"
-        backend, endpoint = "c10d", os.path.join(tempfile.gettempdir(), f"unison-rendezvous-{run_id}")
+        backend, endpoint = "c10d", private_rendezvous_file(run_id)
         configs: dict[str, object] = {"store_type": "file"}
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.mode == "static" and opts.max_nodes == 1 and opts.max_restarts:  # restartable: c10d, here
@@ -312,6 +321,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         backend = opts.torchrun.rdzv_backend or backend  # torchrun's --rdzv-backend (etcd, ...)
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
+        configs.update(rdzv_store_configs(endpoint, rdzv_timeout))  # the endpoint's owner hosts the store
     if backend == "c10d" and opts.max_restarts > 0:
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
         # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
@@ -352,6 +362,12 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.launcher.api import launch_agent
 
     quiet_torch_logs(opts.verbose)
+    if opts.rdzv_endpoint:
+        try:
+            check_rdzv_endpoint(opts.rdzv_endpoint)
+        except LaunchError as exc:
+            print(f"unison launch: error: {exc}", file=sys.stderr)
+            return 2
     log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
     # Output kept off the console (--redirects) is never dropped: its files outlive the launch.
     keep_logs = bool(opts.log_dir) or opts.torchrun.redirects != "0"
@@ -365,7 +381,7 @@ def launch(opts: LaunchOptions) -> int:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with exported(plan.env):
+        with ReleaseStopped(), _heartbeats(opts) as beats, exported({**plan.env, **beats}):
             launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
@@ -373,6 +389,9 @@ def launch(opts: LaunchOptions) -> int:
         summary, code = failure_summary(err, plan.logs if plan else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
+    except RestartRefused as refused:
+        print(f"unison launch: {refused}", file=sys.stderr, flush=True)
+        return 1
     except SignalException as sig:
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down", file=sys.stderr)
         return 128 + int(sig.sigval)
@@ -384,6 +403,8 @@ def launch(opts: LaunchOptions) -> int:
         if any(word in name for word in ("Store", "Rendezvous", "Network")):
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
+            if opts.rdzv_endpoint:
+                hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint)})"
         print(f"unison launch: {name}: {str(exc).strip()}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -393,6 +414,11 @@ def launch(opts: LaunchOptions) -> int:
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):
                 os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
+
+
+def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:
+    """One machine: the launcher hosts the workers' heartbeat store (a frozen rank 0 cannot take it down)."""
+    return heartbeat_store() if opts.max_nodes == 1 else contextlib.nullcontext({})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import socket
 import struct
@@ -20,6 +21,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from unison.launch.rendezvous import private_dir, private_files
 
 
 class LaunchError(ValueError):
@@ -230,10 +233,13 @@ class RankLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
         if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
+            hopeless = pointless_restart(os.path.join(self.root_log_dir, f"attempt_{int(attempt) - 1}"))
+            if hopeless:
+                raise RestartRefused(f"not restarting: {hopeless}")
             most = next(iter(envs.values()), {}).get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"unison launch: restarting the workers (restart {attempt} of {most})", file=sys.stderr)
-        base = os.path.join(self.root_log_dir, f"attempt_{attempt}")
-        os.makedirs(base, exist_ok=True)
+        # 0700, files 0600: logs may hold secrets, and other local users must not read them.
+        base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
             filtered_stdout=os.path.join(base, "filtered_stdout.log"),
             filtered_stderr=os.path.join(base, "filtered_stderr.log"),
@@ -244,6 +250,7 @@ class RankLogsSpecs(LogsSpecs):
             out, err, error_file = f"{stem}.stdout.log", f"{stem}.stderr.log", f"{stem}.error.json"
             with contextlib.suppress(FileNotFoundError):
                 os.remove(error_file)  # a stale one from an earlier run would be read as this failure
+            private_files(out, err)
             dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
             if self.on_console(local_rank, Std.OUT):
                 dest.tee_stdouts[local_rank] = out
@@ -253,6 +260,32 @@ class RankLogsSpecs(LogsSpecs):
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             self.stderr_files[local_rank] = err
         return dest
+
+
+class RestartRefused(RuntimeError):
+    """A restart that cannot succeed (the last attempt failed on a full disk): the launch stops."""
+
+
+#: Failures a restart on the same machine would hit again at once.
+_HOPELESS = ("DiskFullError",)
+
+
+def pointless_restart(attempt_dir: str) -> str | None:
+    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None.
+
+    >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
+    'rank 0 failed with DiskFullError: disk full (ENOSPC) writing ...'
+    """
+    for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
+        try:
+            message = json.loads(error_file.read_text())["message"]
+            headline = str(message["message"] if isinstance(message, dict) else message)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if any(headline.startswith(f"{name}:") or f".{name}:" in headline for name in _HOPELESS):
+            rank = error_file.name.split(".")[0].removeprefix("rank")
+            return f"rank {rank} failed with {headline.strip()}"
+    return None
 
 
 # ---- failure summary ---------------------------------------------------------------------------

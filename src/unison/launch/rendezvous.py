@@ -1,0 +1,246 @@
+"""What the launcher hosts and watches beside torch's agent, so a frozen worker cannot hang a job.
+
+- `heartbeat_store`: the store the workers' watchdogs publish their progress to, hosted in the
+  launcher (the agent's process), not in rank 0: a rank that freezes (SIGSTOP, swapped out,
+  D-state) must not take the store the others diagnose it with down with it.
+- `ReleaseStopped`: torch's agent stops the workers with SIGTERM and waits up to 30 s before
+  SIGKILL; a stopped process keeps a SIGTERM pending and never acts on it. This thread
+  continues (SIGCONT) a child that is stopped with a SIGTERM pending, so it ends at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+from unison.distributed.watchdog import HEARTBEAT_ENV
+
+
+def _listener(host: str) -> socket.socket:
+    """A listening socket on `host`, any free port (loopback stays loopback: nothing else can reach it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    return sock
+
+
+@contextlib.contextmanager
+def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
+    """Host the heartbeat store in this process for the block; yield the variables workers need.
+
+    >>> with heartbeat_store() as env:
+    ...     env[HEARTBEAT_ENV]
+    '127.0.0.1:41234'
+    """
+    import torch.distributed as dist
+
+    if not ipaddress.ip_address(host).is_loopback:
+        raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
+    sock = _listener(host)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+        master_listen_fd=sock.detach(),  # bound to loopback: a TCPStore alone binds every interface
+    )
+    try:
+        yield {HEARTBEAT_ENV: f"{host}:{port}"}
+    finally:
+        del store
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in task.read_text().split()]
+    return found
+
+
+def stopped_with_pending_term(pid: int) -> bool:
+    """True when `pid` is stopped (state T) and a SIGTERM is pending for it (read from /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if not fields.get("State", "").strip().startswith("T"):
+        return False
+    term = 1 << (int(signal.SIGTERM) - 1)
+    pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(
+        fields.get("SigPnd", "0").strip() or "0", 16
+    )
+    return bool(pending & term)
+
+
+class ReleaseStopped:
+    """A thread that continues this process's stopped children once they are told to terminate.
+
+    >>> with ReleaseStopped():
+    ...     launch_agent(config, sys.executable, args)  # doctest: +SKIP
+    """
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unison-release-stopped", daemon=True)
+
+    def __enter__(self) -> ReleaseStopped:
+        if os.path.isdir("/proc/self/task"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval)
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while not self._stop.wait(self.interval):
+            for child in _children(me):
+                if stopped_with_pending_term(child):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(child, signal.SIGCONT)
+
+
+def _answers_as_store(addr: str, port: int, wait: float) -> bool:
+    """True when the program listening at `addr:port` answers as a c10d TCPStore within `wait` s."""
+    import torch.distributed as dist
+
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            store = dist.TCPStore(
+                addr, port, is_master=False, timeout=timedelta(seconds=wait), wait_for_workers=False
+            )
+            store.check(["unison/probe"])
+            answered.append(True)
+        except Exception:
+            answered.append(False)
+
+    thread = threading.Thread(target=probe, name="unison-probe-store", daemon=True)
+    thread.start()
+    thread.join(wait + 1.0)  # a client call has no bound of its own against a silent server
+    return bool(answered and answered[0])
+
+
+def is_local_address(addr: str) -> bool:
+    """True when `addr` is loopback or one of this machine's interface addresses."""
+    from unison.launch.support import interface_addresses
+
+    try:
+        if ipaddress.ip_address(addr).is_loopback:
+            return True
+    except ValueError:
+        return False
+    return any(addr in addrs for addrs in interface_addresses().values())
+
+
+def check_rdzv_endpoint(endpoint: str, wait: float = 3.0) -> None:
+    """Fail fast when the elastic endpoint's port on this machine is held by a program that is not
+    a c10d store (torch's agent would connect to it and wait forever). A port held by a store is
+    fine: another node of the same job, started on this machine, hosts the rendezvous there.
+
+    >>> check_rdzv_endpoint("127.0.0.1:29400")  # raises LaunchError if a web server holds 29400
+    """
+    from unison.launch.support import LaunchError, port_in_use, resolve
+
+    host, _, port_text = endpoint.rpartition(":")
+    _, addr = resolve(host.strip("[]"))
+    port = int(port_text)
+    if not is_local_address(addr) or not port_in_use(port):
+        return  # another machine hosts it, or this node will
+    if not _answers_as_store(addr, port, wait):
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint}: port {port} on this machine is held by a program that is not "
+            f"a c10d rendezvous store (no answer as one within {wait:.0f} s): choose a free port"
+        )
+
+
+def private_rendezvous_file(run_id: str) -> str:
+    """Create the one-machine rendezvous file, readable and writable by this user only (0600).
+
+    torch's FileStore would create it under the umask (0644: any local user could read it).
+
+    >>> private_rendezvous_file("0f3c")
+    '/tmp/unison-rendezvous-0f3c'
+    """
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"unison-rendezvous-{run_id}")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
+
+
+def private_dir(path: str) -> str:
+    """Make `path` (and nothing above it) a folder only this user can enter (0700)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask, and skipped for an existing folder
+    return path
+
+
+def private_files(*paths: str) -> None:
+    """Create empty files only this user can read (0600); torch then writes into them as they are."""
+    for path in paths:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.chmod(path, 0o600)
+
+
+def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
+    """torch c10d rendezvous options that make the node owning the endpoint's address host the store.
+
+    torch decides who hosts by comparing the endpoint with this machine's *hostname*, so cloned
+    machines (same hostname, /etc/hosts pointing elsewhere) all decline, or all claim it. The
+    address is what counts: `is_host` is True on the node with an interface holding it, False on
+    the others. (Left to torch when it already agrees and the address is loopback, so two nodes
+    started on one machine still settle it between themselves.) `timeout` bounds how long a node
+    waits to reach the store, so a store nobody hosts fails the launch instead of hanging it.
+
+    >>> rdzv_store_configs("10.0.0.1:29400", 60)  # on the machine that has 10.0.0.1
+    {'is_host': True, 'read_timeout': 60}
+    """
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    from unison.launch.support import resolve
+
+    host, _, _ = endpoint.rpartition(":")
+    host = host.strip("[]")
+    _, addr = resolve(host)
+    configs: dict[str, object] = {"read_timeout": timeout} if timeout else {}
+    owned = is_local_address(addr)
+    if owned and ipaddress.ip_address(addr).is_loopback:
+        return configs  # one machine: torch's own choice, with its fall-back to a client
+    if owned != _matches_machine_hostname(host):
+        configs["is_host"] = owned
+    return configs
+
+
+def rdzv_failure_hint(endpoint: str) -> str:
+    """Why an elastic rendezvous at `endpoint` could not form, as far as this node can tell."""
+    from unison.launch.support import LaunchError, resolve
+
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        _, addr = resolve(host)
+    except LaunchError as exc:
+        return str(exc)
+    if is_local_address(addr):
+        return f"this node has {addr} and hosted the rendezvous store: did the other nodes start?"
+    return (
+        f"the node that has the address {addr} hosts the rendezvous store, and none answered within "
+        "the timeout: is it started, and does a machine of the job really have that address?"
+    )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,7 @@ from unison.callbacks.core import (
 )
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
-from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
-from unison.callbacks.schedule import group_lrs, top_lr
+from unison.callbacks.schedule import LRFinder, OneCycleScheduler, group_lrs, lr_find, top_lr
 from unison.data.batch import (
     DataLoaders,
     batch_size_of,
@@ -80,28 +80,38 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def _takes_more_than_one(func: Callable[..., Any]) -> bool:
+    """Whether `func` accepts a second positional argument (a loss that reads targets)."""
+    try:
+        kinds = [p.kind for p in inspect.signature(func).parameters.values()]
+    except (TypeError, ValueError):
+        return True
+    P = inspect.Parameter
+    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return positional > 1 or P.VAR_POSITIONAL in kinds
+
+
 class _StepCount:
     """The loss terms of the optimizer step in progress, for dividing its gradient exactly.
 
-    Each micro-batch backpropagates `total / ref`, `ref` being the first micro-batch's
-    own count; at the step the gradient (already averaged over ranks by DDP or FSDP) is
-    multiplied by `ref * W / N`, N the count over every rank and micro-batch. With equal
-    counts everywhere that factor is exactly 1 and nothing is touched.
+    Each micro-batch backpropagates `total / ref`, `ref` a constant the same on every
+    rank (the loader's batch size); at the step the gradient (already averaged over ranks
+    by DDP or FSDP) is multiplied by `ref * W / N`, N the count over every rank and
+    micro-batch. For full batches of a mean loss that factor is exactly 1 and nothing
+    is touched.
     """
 
-    def __init__(self) -> None:
-        self.ref: float | None = None
+    def __init__(self, ref: float = 1.0) -> None:
+        self.ref = ref
         self.local = 0.0
 
     def add(self, count: float) -> float:
-        if self.ref is None:
-            self.ref = count if count > 0 else 1.0
         self.local += count
         return self.ref
 
     def factor(self, collective: Collective) -> float:
-        ref, local = self.ref or 1.0, self.local
-        self.ref, self.local = None, 0.0
+        ref, local = self.ref, self.local
+        self.local = 0.0
         if collective.active:
             local = float(collective.sum(torch.tensor([local], dtype=torch.float64))[0])
         return ref * collective.world_size / local if local > 0 else 0.0
@@ -154,6 +164,7 @@ class Learner:
         self.opt_func = opt_func
         self.lr = lr
         self.metrics: list[Metric] = as_metrics(metrics)
+        self._loss_takes_targets = loss_func is None or _takes_more_than_one(loss_func)
         self.splitter = splitter
         self.call_model = call_model  # how a batch's inputs reach the model: the one place to change it
         self._lr_ratios: list[float] = []
@@ -317,7 +328,7 @@ class Learner:
 
     def _do_epoch_train(self) -> None:
         self.dl = self._shard(self.dls.train, pad=False)  # exactly the set's items, none twice
-        self._step_count = _StepCount()
+        self._step_count = _StepCount(float(getattr(self.dl, "batch_size", None) or 1))
         self.training = True
         self.model.train()
         self._with_events(self._all_batches, "train", CancelTrainException)
@@ -376,11 +387,14 @@ class Learner:
         self("after_pred")
         if not self.score or (self._empty_share and not self.training):
             return
-        total, count = self._loss_terms()
+        total, count, mean = self._loss_terms()
         self.loss_count = count
-        self.loss = (total.detach() / count) if count > 0 else total.detach() * 0
+        if mean is None:
+            mean = total / count if count > 0 else total * 0
+        self.loss = mean.detach()
         if self.training:
-            self.loss_grad = total / self._step_count.add(count)
+            ref = self._step_count.add(count)
+            self.loss_grad = mean if count == ref else total / ref  # a full batch: the mean, untouched
         else:
             self.loss_grad = self.loss
         self("after_loss")
@@ -404,22 +418,28 @@ class Learner:
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
 
-    def _loss_terms(self) -> tuple[Tensor, float]:
-        """`(sum, count)` of this batch's loss: a `SummedLoss` as given, a mean times its count."""
+    def _loss_terms(self) -> tuple[Tensor, float, Tensor | None]:
+        """`(sum, count, mean)` of this batch's loss (`mean` None when only the sum is known):
+        a `SummedLoss` as given, a mean loss times its count."""
         if self._empty_share:  # no rows: a backward pass that adds nothing but runs every hook
-            return zero_loss(self.pred), 0.0
+            return zero_loss(self.pred), 0.0, None
         if self.loss_func is None:
             mean = own_field(self.pred, "loss")
             inputs = self.xb[0] if len(self.xb) == 1 and isinstance(self.xb[0], dict) else {}
             labels = inputs.get("labels") if isinstance(inputs, dict) else None
-            count = float(label_count(self.raw_model, labels) if labels is not None else batch_size_of(self.xb))
-            return (mean * count if count > 0 else zero_loss(self.pred)), count
-        out = self.loss_func(self.pred, *self.yb)
+            count = float(
+                label_count(self.raw_model, labels) if labels is not None else batch_size_of(self.xb)
+            )
+            if count == 0:  # every label ignored: the model's mean is 0/0
+                return zero_loss(self.pred), 0.0, None
+            return mean * count, count, mean
+        # `lambda out: out.loss` for a model that scores itself: the targets went in with the inputs
+        out = self.loss_func(self.pred, *self.yb) if self._loss_takes_targets else self.loss_func(self.pred)
         if isinstance(out, SummedLoss):
             count = out.count
-            return out.total, float(count.item() if isinstance(count, Tensor) else count)
+            return out.total, float(count.item() if isinstance(count, Tensor) else count), None
         n = float(batch_size_of(self.yb) if self.yb else batch_size_of(self.xb))
-        return out * n, n
+        return out * n, n, out
 
     def _normalise_grads(self) -> None:
         """Make the step's gradient the gradient of (sum over all ranks and micro-batches) / (their count)."""
@@ -574,7 +594,9 @@ class Learner:
 
     @staticmethod
     def _check_lr(lr: float | slice | Sequence[float]) -> None:
-        values = [lr.start, lr.stop] if isinstance(lr, slice) else lr if isinstance(lr, (list, tuple)) else [lr]
+        values = (
+            [lr.start, lr.stop] if isinstance(lr, slice) else lr if isinstance(lr, (list, tuple)) else [lr]
+        )
         for v in values:
             if v is None and isinstance(lr, slice):
                 continue

@@ -181,11 +181,14 @@ class TorchMetric(Metric):
     >>> learn = Learner(dls, model, loss_func, metrics=[MulticlassF1Score(3, average="macro")])
     """
 
-    def __init__(self, metric: Any, name: str | None = None, activation: Callable[[Tensor], Tensor] | None = None):
+    def __init__(
+        self, metric: Any, name: str | None = None, activation: Callable[[Tensor], Tensor] | None = None
+    ):
         self.metric = metric
         self.activation = activation
         # unison decides when to sync (over its own group), never torchmetrics behind its back.
         self.metric.sync_on_compute = False
+        self.metric._to_sync = False  # what compute() reads (torchmetrics copies it at init)
         super().__init__(name or _snake(type(metric).__name__))
 
     def reset(self) -> None:
@@ -214,7 +217,7 @@ class TorchMetric(Metric):
         try:
             return self.compute()
         finally:
-            if collective.active:
+            if getattr(self.metric, "_is_synced", False):  # compute() may have restored it already
                 self.metric.unsync()
 
 
@@ -223,9 +226,9 @@ def _snake(name: str) -> str:
 
 
 def _is_torchmetric(m: Any) -> bool:
-    return any(c.__module__.startswith("torchmetrics") for c in type(m).__mro__ if c is not object) and hasattr(
-        m, "update"
-    )
+    return any(
+        c.__module__.startswith("torchmetrics") for c in type(m).__mro__ if c is not object
+    ) and hasattr(m, "update")
 
 
 # A plain function is averaged over batches; these names say that would be wrong.
@@ -245,8 +248,8 @@ def as_metric(m: Metric | Callable[..., Any]) -> Metric:
         name = getattr(m, "__name__", type(m).__name__)
         if _NOT_A_MEAN.search(name):
             raise ValueError(
-                f"metric {name!r} is not a mean over samples, so averaging it over batches would be "
-                f"wrong: pass AccumMetric({name}) (computed once over every prediction) or a torchmetrics Metric"
+                f"metric {name!r} is not a mean over samples, so averaging it over batches would be wrong: "
+                f"pass AccumMetric({name}) (computed once over every prediction) or a torchmetrics Metric"
             )
         return AvgMetric(m)
     raise TypeError(f"metric {m!r} is neither a unison Metric nor a callable(pred, target)")

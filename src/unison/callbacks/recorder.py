@@ -216,7 +216,11 @@ class Recorder(Callback):
             self._pending_partial = None
             return
         ranks = partial["ranks"]
-        empty = {"losses": torch.zeros(0), "sizes": torch.zeros(0, dtype=torch.float64), "carry": torch.zeros(2)}
+        empty = {
+            "losses": torch.zeros(0),
+            "sizes": torch.zeros(0, dtype=torch.float64),
+            "carry": torch.zeros(2),
+        }
         if len(ranks) == world_size:
             self._pending_partial = ranks[rank]
         elif rank == 0:

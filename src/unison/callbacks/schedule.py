@@ -29,7 +29,9 @@ def top_lr(lr: float | slice | Sequence[float]) -> float:
     return float(lr)
 
 
-def group_lrs(lr: float | slice | Sequence[float], n_groups: int, ratios: Sequence[float] = ()) -> list[float]:
+def group_lrs(
+    lr: float | slice | Sequence[float], n_groups: int, ratios: Sequence[float] = ()
+) -> list[float]:
     """One LR per param group for `lr`.
 
     >>> group_lrs(slice(1e-4, 1e-2), 3)

@@ -77,6 +77,8 @@ def tiny_gpt2():
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)
 
@@ -464,8 +466,10 @@ def test_fit_with_lr_keeps_the_ratios_the_optimizer_was_built_with():
     with quiet():
         learn.fit(1, lr=0.5)
     assert [g["lr"] for g in learn.opt.param_groups] == pytest.approx([0.05, 0.5])
-    learn.set_lr([0.2, 0.3])
-    assert [g["lr"] for g in learn.opt.param_groups] == pytest.approx([0.2, 0.3])
+    learn.set_lr([0.2, 0.4])
+    assert [g["lr"] for g in learn.opt.param_groups] == pytest.approx([0.2, 0.4])
+    learn.set_lr(1.0)  # a float keeps the latest ratios
+    assert [g["lr"] for g in learn.opt.param_groups] == pytest.approx([0.5, 1.0])
 
 
 def test_a_torch_lr_scheduler_is_stepped_after_every_optimizer_step():

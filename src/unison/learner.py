@@ -60,7 +60,7 @@ from unison.data.batch import (
 )
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
-from unison.losses import SummedLoss, label_count, own_field, zero_loss
+from unison.losses import SummedLoss, TokenCrossEntropy, label_count, own_field, zero_loss
 from unison.metrics import Metric, as_metrics
 from unison.predictions import PredsCollector, first_row
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
@@ -104,17 +104,21 @@ class _StepCount:
     def __init__(self, ref: float = 1.0) -> None:
         self.ref = ref
         self.local = 0.0
+        self.known: float | None = 0.0  # the global count when the loader's plan tells it (samples)
 
-    def add(self, count: float) -> float:
+    def add(self, count: float, global_count: float | None) -> float:
         self.local += count
+        self.known = None if self.known is None or global_count is None else self.known + global_count
         return self.ref
 
     def factor(self, collective: Collective) -> float:
-        ref, local = self.ref, self.local
-        self.local = 0.0
-        if collective.active:
-            local = float(collective.sum(torch.tensor([local], dtype=torch.float64))[0])
-        return ref * collective.world_size / local if local > 0 else 0.0
+        ref, total, known = self.ref, self.local, self.known
+        self.local, self.known = 0.0, 0.0
+        if known is not None:
+            total = known  # every rank's rows are in the plan: no collective needed
+        elif collective.active:
+            total = float(collective.sum(torch.tensor([total], dtype=torch.float64))[0])
+        return ref * collective.world_size / total if total > 0 else 0.0
 
 
 class Learner:
@@ -191,6 +195,7 @@ class Learner:
         self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
         self.score = True  # False in get_preds: forward passes only, no loss
         self._step_count = _StepCount()
+        self._count_is_rows: bool | None = None
         self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL]] = {}
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
@@ -393,7 +398,7 @@ class Learner:
             mean = total / count if count > 0 else total * 0
         self.loss = mean.detach()
         if self.training:
-            ref = self._step_count.add(count)
+            ref = self._step_count.add(count, self._global_rows() if self._count_is_rows else None)
             self.loss_grad = mean if count == ref else total / ref  # a full batch: the mean, untouched
         else:
             self.loss_grad = self.loss
@@ -418,11 +423,22 @@ class Learner:
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
 
+    def _global_rows(self) -> float:
+        """The real rows of this step's batch over all ranks, from the loader's plan."""
+        if isinstance(self.dl, DistributedDL):
+            return float(self.dl.global_rows(self.iter))
+        return float(batch_size_of(self.xb))
+
     def _loss_terms(self) -> tuple[Tensor, float, Tensor | None]:
         """`(sum, count, mean)` of this batch's loss (`mean` None when only the sum is known):
-        a `SummedLoss` as given, a mean loss times its count."""
+        a `SummedLoss` as given, a mean loss times its count. Sets `_count_is_rows` (the
+        count is the batch's rows, so the global count is known without a collective); every
+        rank must take the same view, so an empty share keeps the view of the rank's last batch."""
+        if self._count_is_rows is None:
+            self._count_is_rows = self._counts_rows_statically()
         if self._empty_share:  # no rows: a backward pass that adds nothing but runs every hook
             return zero_loss(self.pred), 0.0, None
+        self._count_is_rows = False
         if self.loss_func is None:
             mean = own_field(self.pred, "loss")
             inputs = self.xb[0] if len(self.xb) == 1 and isinstance(self.xb[0], dict) else {}
@@ -430,6 +446,7 @@ class Learner:
             count = float(
                 label_count(self.raw_model, labels) if labels is not None else batch_size_of(self.xb)
             )
+            self._count_is_rows = labels is None
             if count == 0:  # every label ignored: the model's mean is 0/0
                 return zero_loss(self.pred), 0.0, None
             return mean * count, count, mean
@@ -439,7 +456,12 @@ class Learner:
             count = out.count
             return out.total, float(count.item() if isinstance(count, Tensor) else count), None
         n = float(batch_size_of(self.yb) if self.yb else batch_size_of(self.xb))
+        self._count_is_rows = True
         return out * n, n, out
+
+    def _counts_rows_statically(self) -> bool:
+        """Before any batch was scored: whether the loss counts rows, judged from the loss alone."""
+        return self.loss_func is not None and not isinstance(self.loss_func, TokenCrossEntropy)
 
     def _normalise_grads(self) -> None:
         """Make the step's gradient the gradient of (sum over all ranks and micro-batches) / (their count)."""
@@ -587,10 +609,14 @@ class Learner:
         return group_lrs(lr, len(self.opt.param_groups), self._lr_ratios)
 
     def set_lr(self, lr: float | slice | Sequence[float]) -> None:
+        """Set each param group's LR (see `fit`); a slice or list also sets the ratios a later float keeps."""
         self.lr = lr
         if self.opt is not None:
-            for group, group_lr in zip(self.opt.param_groups, self.group_lrs(lr), strict=True):
+            lrs = self.group_lrs(lr)
+            for group, group_lr in zip(self.opt.param_groups, lrs, strict=True):
                 group["lr"] = group_lr
+            if not isinstance(lr, (int, float)):
+                self._lr_ratios = [v / max(lrs) for v in lrs]
 
     @staticmethod
     def _check_lr(lr: float | slice | Sequence[float]) -> None:

@@ -184,8 +184,9 @@ class LRFinder(Callback):
         if not self.learn.training or self.learn.opt is None:
             return
         lr = self.start_lr * (self.end_lr / self.start_lr) ** (self.step / max(1, self.num_it - 1))
-        for group in self.learn.opt.param_groups:
-            group["lr"] = lr
+        # The sweep moves the top group's LR; the others keep their ratios to it.
+        for group, group_lr in zip(self.learn.opt.param_groups, self.learn.group_lrs(lr), strict=True):
+            group["lr"] = group_lr
         self._lr = lr
 
     def after_batch(self) -> None:

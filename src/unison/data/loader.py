@@ -266,6 +266,15 @@ class DistributedDL:
             return list(range(first, min(first + w * bs, last), w))
         return [p for p in range(first, first + w * bs, w) if p < self._n]
 
+    def global_rows(self, batch_index: int) -> int:
+        """Real items in global batch `batch_index` over all ranks (`pad=False`: the whole plan is known).
+
+        >>> DistributedDL(DataLoader(list(range(5)), batch_size=2), 0, 2, pad=False).global_rows(1)
+        1
+        """
+        global_bs = self.world_size * self.batch_size
+        return max(0, min(global_bs, self._n - batch_index * global_bs))
+
     def _real_counts(self) -> list[int]:
         return [sum(p < self._n for p in self._positions(k)) for k in range(len(self))]
 

@@ -497,6 +497,29 @@ def test_a_compiled_model_saves_keys_an_uncompiled_model_loads(tmp_path):
     assert torch.equal(plain.model.weight, compiled._orig_mod.weight)
 
 
+def _compiled_parity():
+    world = dist.get_world_size()
+    plain = Learner(make_dls(32, bs=8 * world, seed=4), _seeded_mlp(), nn.CrossEntropyLoss(), lr=1e-2)
+    with quiet():
+        plain.fit(1)
+    dls = make_dls(32, bs=8, seed=4)
+    compiled = Learner(dls, _seeded_mlp(), nn.CrossEntropyLoss(), lr=1e-2, compile={"backend": "eager"})
+    with quiet(), compiled.distrib_ctx():
+        compiled.fit(1)
+    keys = set(compiled.raw_model.state_dict())
+    return max_diff(weights(plain), weights(compiled)), keys == set(plain.model.state_dict())
+
+
+def _seeded_mlp():
+    set_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_compile_option_under_ddp_equals_one_plain_process(pool2):
+    for diff, same_keys in pool2.run(_compiled_parity, timeout=180):
+        assert same_keys and diff < 1e-5
+
+
 # ---- logging ------------------------------------------------------------------------------------
 
 

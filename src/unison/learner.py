@@ -129,6 +129,10 @@ class Learner:
     >>> with learn.distrib_ctx():     # a no-op outside `unison launch`
     ...     learn.fit_one_cycle(3)
     >>> valid_loss, acc = learn.validate()
+
+    `loss_func=None` uses the model's own loss; `splitter` makes param groups;
+    `call_model(model, xb)` is how inputs reach the model; `compile=True` (or a dict of
+    `torch.compile` options) compiles the model.
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class Learner:
         default_cbs: bool = True,
         splitter: Callable[[nn.Module], Sequence[Iterable[nn.Parameter]]] | None = None,
         call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = call_model,
+        compile: bool | dict[str, Any] = False,
     ):
         if not isinstance(dls, DataLoaders):
             raise TypeError(
@@ -163,7 +168,8 @@ class Learner:
             raise TypeError(f"Learner: opt_func must be a callable(params, lr=lr), got {opt_func!r}")
         self._check_lr(lr)
         self.dls = dls
-        self.model = model
+        # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
+        self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
         self.loss_func = loss_func
         self.opt_func = opt_func
         self.lr = lr

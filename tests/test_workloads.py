@@ -549,6 +549,43 @@ def test_csv_and_tensorboard_loggers_write_what_the_recorder_holds(tmp_path):
     assert logged == pytest.approx(learn.recorder.losses)
 
 
+class NoLabels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class DictItems(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def test_a_dict_batch_gives_its_labels_to_the_loss_and_metrics_not_to_a_model_without_them():
+    dls = make_dls(16, 8)
+    (xt, yt), (xv, yv) = dls.train.dataset.tensors, dls.valid.dataset.tensors
+    dls = DataLoaders(
+        DataLoader(DictItems(xt, yt), batch_size=8), DataLoader(DictItems(xv, yv), batch_size=3)
+    )
+    set_seed(0)
+    learn = Learner(dls, NoLabels(), nn.CrossEntropyLoss(), metrics=[accuracy])
+    with quiet():
+        learn.fit(1)
+    valid_loss, acc = learn.validate()
+    with torch.no_grad():
+        logits = learn.model(xv)
+    assert valid_loss == pytest.approx(F.cross_entropy(logits, yv).item(), abs=1e-6)
+    assert acc == pytest.approx((logits.argmax(-1) == yv).float().mean().item(), abs=1e-6)
+
+
 # ---- batch structure ------------------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ training and a validation loader.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -163,7 +165,7 @@ def _fill(x: Any, joined: dict[tuple, Any], prefix: tuple) -> Any:
 def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """`(inputs, targets)` of a batch as the learner sees them.
 
-    A tuple or list: its first `n_inp` items are inputs, the rest targets. A dict (a
+    A tuple, list or namedtuple: its first `n_inp` items are inputs, the rest targets. A dict (a
     Hugging Face batch): the whole dict is the input, and its `labels` (or `label`) also
     the target that metrics read. Anything else: an input without targets.
 
@@ -175,22 +177,47 @@ def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any,
             if key in batch:
                 return (batch,), (batch[key],)
         return (batch,), ()
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+    if isinstance(batch, (list, tuple)):  # namedtuples too: their fields in order
         return tuple(batch[:n_inp]), tuple(batch[n_inp:])
     return (batch,), ()
 
 
 def call_model(model: nn.Module, xb: tuple[Any, ...]) -> Any:
     """The learner's forward call: a single dict input goes in as keyword arguments
-    (`model(**batch)`, as Hugging Face models expect), anything else positionally.
+    (`model(**batch)`, as Hugging Face models expect; keys the model's `forward` does not
+    name, such as `labels` for a model that does not score itself, are left out),
+    anything else positionally.
 
     For another calling convention, give the learner your own: `Learner(..., call_model=fn)`.
 
     >>> call_model(model, ({"input_ids": ids, "attention_mask": mask},))   # doctest: +SKIP
     """
     if len(xb) == 1 and isinstance(xb[0], Mapping):
-        return model(**xb[0])
+        accepted = _keyword_names(model)
+        kwargs = xb[0] if accepted is None else {k: v for k, v in xb[0].items() if k in accepted}
+        return model(**kwargs)
     return model(*xb)
+
+
+def _keyword_names(model: nn.Module) -> frozenset[str] | None:
+    """The keywords the user's model's `forward` takes, None when it takes any (`**kwargs`):
+    a dict batch's `labels` is not passed to a model that has no such argument."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):  # DDP / DataParallel
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    return _forward_keywords(type(inner))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_keywords(cls: type) -> frozenset[str] | None:
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
 
 
 class DataLoaders:

@@ -162,7 +162,8 @@ class LRSchedulerCallback(Callback):
 class LRFinder(Callback):
     """Raises the LR exponentially each batch and records the loss; stops when it diverges.
 
-    The recorded loss is averaged over all ranks, so every rank takes the same stop decision.
+    The recorded loss is the global batch's (every rank's loss terms), so every rank takes the
+    same stop decision.
     """
 
     order = 10
@@ -194,7 +195,12 @@ class LRFinder(Callback):
         if not learn.training or learn.loss is None:
             return
         collective = learn.collective
-        loss = float(collective.sum(learn.loss.detach().float().reshape(1))[0]) / collective.world_size
+        count = float(learn.loss_count)
+        both = torch.stack(
+            [learn.loss.detach().double().cpu() * count, torch.tensor(count, dtype=torch.float64)]
+        )
+        total, n = collective.sum(both).tolist()  # the global batch's loss, as one process sees it
+        loss = total / n if n > 0 else float(learn.loss)
         self.lrs.append(self._lr)
         self.losses.append(loss)
         self.best = min(self.best, loss)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,8 @@ from unison.data.batch import (
 )
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
-from unison.losses import SummedLoss, TokenCrossEntropy, label_count, own_field, zero_loss
+from unison.exact_loss import ExactLoss
+from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.predictions import PredsCollector, first_row
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
@@ -78,47 +78,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def _takes_more_than_one(func: Callable[..., Any]) -> bool:
-    """Whether `func` accepts a second positional argument (a loss that reads targets)."""
-    try:
-        kinds = [p.kind for p in inspect.signature(func).parameters.values()]
-    except (TypeError, ValueError):
-        return True
-    P = inspect.Parameter
-    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
-    return positional > 1 or P.VAR_POSITIONAL in kinds
-
-
-class _StepCount:
-    """The loss terms of the optimizer step in progress, for dividing its gradient exactly.
-
-    Each micro-batch backpropagates `total / ref`, `ref` a constant the same on every
-    rank (the loader's batch size); at the step the gradient (already averaged over ranks
-    by DDP or FSDP) is multiplied by `ref * W / N`, N the count over every rank and
-    micro-batch. For full batches of a mean loss that factor is exactly 1 and nothing
-    is touched.
-    """
-
-    def __init__(self, ref: float = 1.0) -> None:
-        self.ref = ref
-        self.local = 0.0
-        self.known: float | None = 0.0  # the global count when the loader's plan tells it (samples)
-
-    def add(self, count: float, global_count: float | None) -> float:
-        self.local += count
-        self.known = None if self.known is None or global_count is None else self.known + global_count
-        return self.ref
-
-    def factor(self, collective: Collective) -> float:
-        ref, total, known = self.ref, self.local, self.known
-        self.local, self.known = 0.0, 0.0
-        if known is not None:
-            total = known  # every rank's rows are in the plan: no collective needed
-        elif collective.active:
-            total = float(collective.sum(torch.tensor([total], dtype=torch.float64))[0])
-        return ref * collective.world_size / total if total > 0 else 0.0
 
 
 class Learner:
@@ -174,7 +133,6 @@ class Learner:
         self.opt_func = opt_func
         self.lr = lr
         self.metrics: list[Metric] = as_metrics(metrics)
-        self._loss_takes_targets = loss_func is None or _takes_more_than_one(loss_func)
         self.splitter = splitter
         self.call_model = call_model  # how a batch's inputs reach the model: the one place to change it
         self._lr_ratios: list[float] = []
@@ -200,8 +158,7 @@ class Learner:
         self.loss_grad: Tensor | None = None
         self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
         self.score = True  # False in get_preds: forward passes only, no loss
-        self._step_count = _StepCount()
-        self._count_is_rows: bool | None = None
+        self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
         self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL]] = {}
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
@@ -339,7 +296,7 @@ class Learner:
 
     def _do_epoch_train(self) -> None:
         self.dl = self._shard(self.dls.train, pad=False)  # exactly the set's items, none twice
-        self._step_count = _StepCount(float(getattr(self.dl, "batch_size", None) or 1))
+        self.exact_loss.start_epoch(getattr(self.dl, "batch_size", None))
         self.training = True
         self.model.train()
         self._with_events(self._all_batches, "train", CancelTrainException)
@@ -398,14 +355,13 @@ class Learner:
         self("after_pred")
         if not self.score or (self._empty_share and not self.training):
             return
-        total, count, mean = self._loss_terms()
+        total, count, mean = self.exact_loss.terms(self)
         self.loss_count = count
         if mean is None:
             mean = total / count if count > 0 else total * 0
         self.loss = mean.detach()
         if self.training:
-            ref = self._step_count.add(count, self._global_rows() if self._count_is_rows else None)
-            self.loss_grad = mean if count == ref else total / ref  # a full batch: the mean, untouched
+            self.loss_grad = self.exact_loss.to_backward(self, total, count, mean)
         else:
             self.loss_grad = self.loss
         self("after_loss")
@@ -417,7 +373,7 @@ class Learner:
         else:
             self.loss_grad.backward()
         if self.grad_sync:  # this batch ends an optimizer step: divide by its global count
-            self._normalise_grads()
+            self.exact_loss.normalise_grads(self)
         self("after_backward")
         self("before_step")
         assert self.opt is not None
@@ -428,55 +384,6 @@ class Learner:
             self.opt.step()
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
-
-    def _global_rows(self) -> float:
-        """The real rows of this step's batch over all ranks, from the loader's plan."""
-        if isinstance(self.dl, DistributedDL):
-            return float(self.dl.global_rows(self.iter))
-        return float(batch_size_of(self.xb))
-
-    def _loss_terms(self) -> tuple[Tensor, float, Tensor | None]:
-        """`(sum, count, mean)` of this batch's loss (`mean` None when only the sum is known):
-        a `SummedLoss` as given, a mean loss times its count. Sets `_count_is_rows` (the
-        count is the batch's rows, so the global count is known without a collective); every
-        rank must take the same view, so an empty share keeps the view of the rank's last batch."""
-        if self._count_is_rows is None:
-            self._count_is_rows = self._counts_rows_statically()
-        if self._empty_share:  # no rows: a backward pass that adds nothing but runs every hook
-            return zero_loss(self.pred), 0.0, None
-        self._count_is_rows = False
-        if self.loss_func is None:
-            mean = own_field(self.pred, "loss")
-            inputs = self.xb[0] if len(self.xb) == 1 and isinstance(self.xb[0], dict) else {}
-            labels = inputs.get("labels") if isinstance(inputs, dict) else None
-            count = float(
-                label_count(self.raw_model, labels) if labels is not None else batch_size_of(self.xb)
-            )
-            self._count_is_rows = labels is None
-            if count == 0:  # every label ignored: the model's mean is 0/0
-                return zero_loss(self.pred), 0.0, None
-            return mean * count, count, mean
-        # `lambda out: out.loss` for a model that scores itself: the targets went in with the inputs
-        out = self.loss_func(self.pred, *self.yb) if self._loss_takes_targets else self.loss_func(self.pred)
-        if isinstance(out, SummedLoss):
-            count = out.count
-            return out.total, float(count.item() if isinstance(count, Tensor) else count), None
-        n = float(batch_size_of(self.yb) if self.yb else batch_size_of(self.xb))
-        self._count_is_rows = True
-        return out * n, n, out
-
-    def _counts_rows_statically(self) -> bool:
-        """Before any batch was scored: whether the loss counts rows, judged from the loss alone."""
-        return self.loss_func is not None and not isinstance(self.loss_func, TokenCrossEntropy)
-
-    def _normalise_grads(self) -> None:
-        """Make the step's gradient the gradient of (sum over all ranks and micro-batches) / (their count)."""
-        factor = self._step_count.factor(self.collective)
-        if factor == 1.0:
-            return
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
 
     def _check_devices(self) -> None:
         self._devices_checked = True

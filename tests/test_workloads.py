@@ -326,6 +326,22 @@ def test_torchmetrics_f1_and_auroc_equal_scikit_learn_on_one_and_two_processes(p
         assert max(diffs) < 1e-6, diffs
 
 
+def test_a_metric_collection_gives_one_column_per_metric():
+    pytest.importorskip("torchmetrics")
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy
+
+    dls = make_dls(16, 23, bs=5)
+    set_seed(0)
+    collection = MetricCollection({"acc": MulticlassAccuracy(2, average="micro")})
+    learn = Learner(dls, nn.Linear(4, 2), nn.CrossEntropyLoss(), metrics=collection)
+    x, y = dls.valid.dataset.tensors
+    with torch.no_grad():
+        expected = (learn.model(x).argmax(-1) == y).float().mean().item()
+    assert [m.name for m in learn.metrics] == ["acc"]
+    assert learn.validate()[1] == pytest.approx(expected, abs=1e-6)
+
+
 def test_a_plain_function_that_is_not_a_per_sample_mean_is_refused():
     def f1_score(pred, target):
         return 0.0

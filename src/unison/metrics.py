@@ -174,7 +174,7 @@ class AccumMetric(Metric):
 
 
 class TorchMetric(Metric):
-    """A `torchmetrics.Metric` (or `MetricCollection`) inside the learner: updated on real items
+    """A `torchmetrics.Metric` inside the learner (a `MetricCollection` gives one each): updated on real items
     only, synchronised over the learner's group with torchmetrics' own `sync`, then computed.
 
     >>> from torchmetrics.classification import MulticlassF1Score
@@ -259,7 +259,13 @@ def as_metrics(metrics: Iterable[Any] | Any) -> list[Metric]:
     """`Learner(metrics=...)`: a single metric or function, or an iterable of them."""
     if isinstance(metrics, Metric) or callable(metrics) or _is_torchmetric(metrics):
         metrics = [metrics]
-    return [as_metric(m) for m in metrics]
+    out: list[Metric] = []
+    for m in metrics:
+        if _is_torchmetric(m) and hasattr(m, "items"):  # a MetricCollection: one column per metric
+            out += [TorchMetric(v, name=k) for k, v in m.items()]
+        else:
+            out.append(as_metric(m))
+    return out
 
 
 def accuracy(pred: Tensor, target: Tensor, axis: int = -1) -> Tensor:

@@ -292,6 +292,26 @@ def test_variable_length_outputs_are_padded_with_minus_100_never_scored(pool2, w
         assert metric == pytest.approx(truth, abs=1e-6)
 
 
+def _per_item_losses():
+    dls = make_dls(16, 13, bs=4)
+    set_seed(0)
+    learn = Learner(dls, nn.Linear(4, 2), nn.CrossEntropyLoss())
+    x, y = dls.valid.dataset.tensors
+    with torch.no_grad():
+        expected = F.cross_entropy(learn.model(x), y, reduction="none")
+    with quiet(), learn.distrib_ctx():
+        _, targets, losses = learn.get_preds(with_loss=True)
+    return float((losses - expected).abs().max()), torch.equal(targets, y), learn.loss_func.reduction
+
+
+def test_get_preds_with_loss_gives_one_loss_per_item_in_order(pool2):
+    for err, same_targets, reduction in pool2.run(_per_item_losses) + [_per_item_losses()]:
+        assert err < 1e-6 and same_targets and reduction == "mean"
+    learn = Learner(make_dls(), nn.Linear(4, 2), lambda p, y: F.cross_entropy(p, y))
+    with pytest.raises(ValueError, match="reduction"):
+        learn.get_preds(with_loss=True)
+
+
 # ---- torchmetrics ---------------------------------------------------------------------------
 
 

@@ -62,7 +62,7 @@ from unison.distributed.collective import Collective
 from unison.exact_loss import ExactLoss
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
-from unison.predictions import PredsCollector, first_row
+from unison.predictions import PredsCollector, check_per_item_loss, first_row
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 
 
@@ -445,27 +445,29 @@ class Learner:
 
     def get_preds(
         self, dl: DataLoader | None = None, with_loss: bool = False, pad_value: float = -100
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, ...]:
         """`(preds, targets)` for every sample of `dl` exactly once, in the loader's order, on every rank.
 
         `preds` keeps the model's output structure (a tensor, tuple, dict or `ModelOutput`,
         each per-sample field joined; a batch's scalar `loss` becomes None). Targets are
         None for an unlabelled loader. Variable-length outputs are padded with `pad_value`.
-        The loss is not computed unless `with_loss=True` (then `recorder.last_valid` holds it).
+        No loss is computed, unless `with_loss=True`: then `(preds, targets, losses)`, one
+        loss per item from `loss_func` with `reduction="none"`.
 
         >>> logits, labels = learn.get_preds()
         >>> out, _ = hf_learn.get_preds(); out.logits.shape     # doctest: +SKIP
         """
-        collector = PredsCollector()
-        self.record_metrics, self.score = False, with_loss
+        if with_loss:
+            check_per_item_loss(self.loss_func)
+        collector = PredsCollector(with_loss)
+        self.record_metrics, self.score = False, False
         last_valid = self.recorder.last_valid
         try:
             with self.added_cbs([collector]):
                 self._do_epoch_validate(dl)
         finally:
             self.record_metrics, self.score = True, True
-            if not with_loss:
-                self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
+            self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
         return collector.gathered(self.collective, pad_value)
 
     def predict(self, item: Any, batched: bool = False) -> Any:

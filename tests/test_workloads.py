@@ -283,6 +283,26 @@ def _variable_length(distributed):
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def _one_item_validation():
+    dls = make_dls(16, 1, bs=4)
+    set_seed(0)
+    learn = Learner(
+        dls, nn.Linear(4, 2), nn.CrossEntropyLoss(), metrics=[AccumMetric(token_accuracy), accuracy]
+    )
+    x, y = dls.valid.dataset.tensors
+    with torch.no_grad():
+        logits = learn.model(x)
+    with quiet(), learn.distrib_ctx():
+        values = learn.validate()
+    return values, [F.cross_entropy(logits, y).item(), token_accuracy(logits, y), token_accuracy(logits, y)]
+
+
+def test_a_set_smaller_than_the_world_validates_exactly_with_every_kind_of_metric(pool2):
+    """Finding 3's abort, for metrics: a rank with no item gathered a 1-D empty state."""
+    for values, expected in pool2.run(_one_item_validation):
+        assert values == pytest.approx(expected, abs=1e-6)
+
+
 def test_variable_length_outputs_are_padded_with_minus_100_never_scored(pool2, world):
     """Finding 4: zero padding read as class 0; AccumMetric crashed on batches of different lengths."""
     results = pool2.run(_variable_length, True) if world == 2 else [_variable_length(False)]

@@ -87,7 +87,13 @@ class Metric:
             setattr(self, state, collective.sum(getattr(self, state)))
         for state in self.cat_states:
             parts: list[Tensor] = getattr(self, state)
-            local = cat_padded(parts) if parts else torch.zeros(0)
+            local = cat_padded(parts) if parts else None
+            if collective.active:  # a rank that saw no item (a tiny set) takes the others' dims and dtype
+                kinds = collective.gather_objects(None if local is None else (local.dim(), local.dtype))
+                known = [k for k in kinds if k is not None]
+                if local is None and known:
+                    local = torch.zeros((0,) * known[0][0], dtype=known[0][1])
+            local = local if local is not None else torch.zeros(0)
             setattr(self, state, [collective.gather_ordered(local, pad_value=-100)])
 
     def value(self, collective: Collective) -> float:

@@ -211,7 +211,10 @@ class TorchMetric(Metric):
     def sync(self, collective: Collective) -> None:
         if collective.active:
             self.metric.sync(
-                process_group=collective.group, should_sync=True, distributed_available=lambda: True
+                dist_sync_fn=_gather_fn(collective),
+                process_group=collective.group,
+                should_sync=True,
+                distributed_available=lambda: True,
             )
 
     def compute(self) -> float:
@@ -225,6 +228,22 @@ class TorchMetric(Metric):
         finally:
             if getattr(self.metric, "_is_synced", False):  # compute() may have restored it already
                 self.metric.unsync()
+
+
+def _gather_fn(collective: Collective) -> Callable[..., list[Tensor]]:
+    """torchmetrics' `gather_all_tensors`, except that a rank that saw no item (its state an empty
+    1-D tensor) first takes the other ranks' trailing dims and dtype, so every rank gathers alike."""
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    def gather(t: Tensor, group: Any = None) -> list[Tensor]:
+        kinds = collective.gather_objects((tuple(t.shape), t.dtype))
+        filled = [(shape, dtype) for shape, dtype in kinds if shape and shape[0] > 0]
+        if t.numel() == 0 and filled:
+            shape, dtype = filled[0]
+            t = torch.zeros((0, *shape[1:]), dtype=dtype, device=t.device)
+        return gather_all_tensors(t, group=group)
+
+    return gather
 
 
 def _snake(name: str) -> str:

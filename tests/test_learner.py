@@ -617,25 +617,34 @@ class DictDataset(Dataset):
 
 
 class DictModel(nn.Module):
-    """Takes the whole dict batch and returns logits and its own loss (a Hugging Face-style model)."""
+    """Takes a dict batch as keyword arguments and returns logits and its own loss (Hugging Face-style)."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 2)
 
+    def forward(self, x, y):
+        logits = self.lin(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits, y)}
+
+
+class WholeDictModel(DictModel):
+    """Another calling convention: the whole dict as one argument."""
+
     def forward(self, batch):
-        logits = self.lin(batch["x"])
-        return {"logits": logits, "loss": F.cross_entropy(logits, batch["y"])}
+        return super().forward(batch["x"], batch["y"])
 
 
-def test_dict_batches_reach_the_model_whole():
+@pytest.mark.parametrize("whole", [False, True])
+def test_dict_batches_reach_the_model_as_keywords_or_as_the_caller_says(whole):
     xt, yt = make_data(24, seed=6)
     xv, yv = make_data(13, seed=7)
     dls = DataLoaders(
         DataLoader(DictDataset(xt, yt), batch_size=8), DataLoader(DictDataset(xv, yv), batch_size=5)
     )
     torch.manual_seed(0)
-    learn = Learner(dls, DictModel(), lambda out: out["loss"], lr=0.05)
+    extra = {"call_model": lambda model, xb: model(xb[0])} if whole else {}
+    learn = Learner(dls, WholeDictModel() if whole else DictModel(), None, lr=0.05, **extra)
     before = weights(learn.model)
     learn.fit(2)
     assert not torch.equal(before["lin.weight"], learn.model.lin.weight)
@@ -687,9 +696,15 @@ def test_fit_with_a_bad_n_epoch(n_epoch, tmp_path):
     assert learn.opt is None and learn.recorder.values == []
 
 
-def test_loss_func_none_is_refused():
+def test_a_loss_func_that_is_not_callable_is_refused():
     with pytest.raises(TypeError, match="loss_func"):
-        Learner(make_dls(), nn.Linear(4, 2), None)
+        Learner(make_dls(), nn.Linear(4, 2), 3)
+
+
+def test_loss_func_none_with_a_model_that_has_no_loss_names_the_problem():
+    learn = Learner(make_dls(), nn.Linear(4, 2), None)
+    with pytest.raises(ValueError, match="has no 'loss'"):
+        learn.fit(1)
 
 
 @pytest.mark.parametrize("metric", [3, "accuracy", None])

@@ -15,27 +15,46 @@ from unison.callbacks import (
     CancelTrainException,
     CancelValidException,
     Checkpoint,
+    CSVLogger,
     EarlyStopping,
     GradientAccumulation,
     GradientClip,
     LRFinder,
+    LRSchedulerCallback,
     MixedPrecision,
     OneCycleScheduler,
     ProgressCallback,
     Recorder,
     SaveModelCallback,
+    TensorBoardLogger,
     TrackerCallback,
 )
 from unison.data import DataLoaders, to_device
 from unison.launch.spawn import SpawnError, mp_spawn, spawn
 from unison.learner import Learner
-from unison.metrics import AccumMetric, AvgMetric, Metric, WeightedMean, accuracy, error_rate, roc_auc
+from unison.losses import SummedLoss, TokenCrossEntropy
+from unison.metrics import (
+    AccumMetric,
+    AvgMetric,
+    Metric,
+    TorchMetric,
+    WeightedMean,
+    accuracy,
+    error_rate,
+    roc_auc,
+)
 from unison.rng import set_seed
 from unison.serialization import CheckpointError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CSVLogger",
+    "LRSchedulerCallback",
+    "SummedLoss",
+    "TensorBoardLogger",
+    "TokenCrossEntropy",
+    "TorchMetric",
     "AccumMetric",
     "AvgMetric",
     "Callback",

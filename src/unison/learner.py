@@ -16,6 +16,13 @@ A `Cancel*Exception` raised by a callback ends that stage early; `after_cancel_<
 then `after_<stage>` still run. Distribution enters through two seams only: the
 `Collective` (identity on one process) that shards loaders and reduces metric
 state, and the model wrapper `DistributedTrainer` installs.
+
+Any batch: a batch is split into inputs `xb` and targets `yb` by `split_batch` (a dict
+batch is one input, passed as keyword arguments by `call_model`). Padding rows a
+sharded loader added are trimmed from the inputs before the forward pass, so no loss
+or metric, wherever it is computed, ever counts them. Every loss is read as a sum and
+a count (`unison.losses.SummedLoss`), and gradients are divided by the global count of
+the optimizer step, so W processes (and gradient accumulation) equal one process.
 """
 
 from __future__ import annotations
@@ -40,36 +47,39 @@ from unison.callbacks.core import (
 )
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
-from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
-from unison.data.batch import DataLoaders, cat_padded, take_rows, tensors_in, to_device
+from unison.callbacks.schedule import LRFinder, OneCycleScheduler, group_lrs, lr_find, top_lr
+from unison.data.batch import (
+    DataLoaders,
+    batch_size_of,
+    call_model,
+    split_batch,
+    take_rows,
+    tensors_in,
+    to_device,
+)
 from unison.data.checks import refuse_empty_train
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
-from unison.metrics import Metric, as_metric, batch_size_of
+from unison.exact_loss import ExactLoss
+from unison.losses import SummedLoss
+from unison.metrics import Metric, as_metrics
+from unison.predictions import PredsCollector, check_per_item_loss, first_row
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside a `DataParallel` / `DistributedDataParallel` wrapper."""
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
-    return model
-
-
-class _PredsCollector(Callback):
-    """Keeps each validation batch's predictions and targets (padding already dropped)."""
-
-    order = 100
-
-    def __init__(self) -> None:
-        self.preds: list[Tensor] = []
-        self.targets: list[Tensor] = []
-
-    def after_loss(self) -> None:
-        self.preds.append(self.learn.pred.detach())
-        if self.learn.yb:
-            self.targets.append(self.learn.yb[0].detach())
+    """The user's model inside `DataParallel` / `DistributedDataParallel` / `torch.compile` wrappers,
+    so its `state_dict` keys never carry a wrapper's prefix (`module.`, `_orig_mod.`)."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
+        else:
+            return model
 
 
 class Learner:
@@ -80,21 +90,28 @@ class Learner:
     >>> with learn.distrib_ctx():     # a no-op outside `unison launch`
     ...     learn.fit_one_cycle(3)
     >>> valid_loss, acc = learn.validate()
+
+    `loss_func=None` uses the model's own loss; `splitter` makes param groups;
+    `call_model(model, xb)` is how inputs reach the model; `compile=True` (or a dict of
+    `torch.compile` options) compiles the model.
     """
 
     def __init__(
         self,
         dls: DataLoaders,
         model: nn.Module,
-        loss_func: Callable[..., Tensor],
+        loss_func: Callable[..., Tensor | SummedLoss] | None = None,
         opt_func: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-        lr: float = 1e-3,
+        lr: float | slice | Sequence[float] = 1e-3,
         metrics: Iterable[Metric | Callable[..., Any]] | Metric | Callable[..., Any] = (),
         cbs: Iterable[Callback | type[Callback]] = (),
         path: str | Path = ".",
         model_dir: str | Path = "models",
         n_inp: int = 1,
         default_cbs: bool = True,
+        splitter: Callable[[nn.Module], Sequence[Iterable[nn.Parameter]]] | None = None,
+        call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = call_model,
+        compile: bool | dict[str, Any] = False,
     ):
         if not isinstance(dls, DataLoaders):
             raise TypeError(
@@ -103,22 +120,24 @@ class Learner:
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"Learner: model must be a torch.nn.Module, got {type(model).__name__}")
-        if loss_func is None or not callable(loss_func):
+        if loss_func is not None and not callable(loss_func):
             raise TypeError(
                 f"Learner: loss_func must be a callable(pred, *targets) returning the mean batch "
-                f"loss, got {loss_func!r}"
+                f"loss (or a SummedLoss), or None for the model's own loss, got {loss_func!r}"
             )
         if not callable(opt_func):
             raise TypeError(f"Learner: opt_func must be a callable(params, lr=lr), got {opt_func!r}")
         self._check_lr(lr)
         self.dls = dls
-        self.model = model
+        # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
+        self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
         self.loss_func = loss_func
         self.opt_func = opt_func
         self.lr = lr
-        if callable(metrics) or isinstance(metrics, Metric):  # one metric, fastai's `metrics=accuracy`
-            metrics = [metrics]
-        self.metrics: list[Metric] = [as_metric(m) for m in metrics]
+        self.metrics: list[Metric] = as_metrics(metrics)
+        self.splitter = splitter
+        self.call_model = call_model  # how a batch's inputs reach the model: the one place to change it
+        self._lr_ratios: list[float] = []
         self.path = Path(path)
         self.model_dir = Path(model_dir)
         self.n_inp = n_inp
@@ -139,7 +158,10 @@ class Learner:
         self.pred: Any = None
         self.loss: Tensor | None = None
         self.loss_grad: Tensor | None = None
-        self._sharded: dict[int, tuple[DataLoader, DistributedDL]] = {}
+        self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
+        self.score = True  # False in get_preds: forward passes only, no loss
+        self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
+        self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL]] = {}
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
         self.recorder = Recorder()
@@ -203,10 +225,16 @@ class Learner:
 
     # ---- the loop --------------------------------------------------------------------
     def fit(
-        self, n_epoch: int, lr: float | None = None, cbs: Iterable[Callback] = (), resume: bool = False
+        self,
+        n_epoch: int,
+        lr: float | slice | Sequence[float] | None = None,
+        cbs: Iterable[Callback] = (),
+        resume: bool = False,
     ) -> None:
         """Train for `n_epoch` epochs, validating after each.
 
+        `lr` sets every param group's LR keeping their ratios (a float), spreads them
+        geometrically (`slice(lo, hi)`), or gives one per group (a list).
         `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote.
 
         >>> learn.fit(3, lr=1e-3)
@@ -232,7 +260,7 @@ class Learner:
     def fit_one_cycle(
         self,
         n_epoch: int,
-        lr_max: float | None = None,
+        lr_max: float | slice | Sequence[float] | None = None,
         div: float = 25.0,
         div_final: float = 1e5,
         pct_start: float = 0.25,
@@ -241,6 +269,9 @@ class Learner:
         resume: bool = False,
     ) -> None:
         """`fit` with the one-cycle policy: LR warms up to `lr_max` then anneals; momentum mirrors it.
+
+        Each param group follows its own cycle: `lr_max` as in `fit(lr=...)`, e.g.
+        `slice(1e-5, 1e-3)` for discriminative LRs (the body slower than the head).
 
         >>> learn.fit_one_cycle(5, lr_max=3e-3)
         """
@@ -267,7 +298,8 @@ class Learner:
         self._do_epoch_validate()
 
     def _do_epoch_train(self) -> None:
-        self.dl = self._shard(self.dls.train)
+        self.dl = self._shard(self.dls.train, pad=False)  # exactly the set's items, none twice
+        self.exact_loss.start_epoch(getattr(self.dl, "batch_size", None))
         self.training = True
         self.model.train()
         self._with_events(self._all_batches, "train", CancelTrainException)
@@ -287,7 +319,6 @@ class Learner:
         self.n_iter = len(self.dl)
         self._device = self.device
         self._devices_checked = False
-        self._seen = 0
         start = 0
         if self.training and self.epoch == self.start_epoch and self.start_iter:
             start = self.start_iter
@@ -300,28 +331,42 @@ class Learner:
                 self.train_iter = self.epoch * self.n_iter + self.iter
                 self.pct_train = self.train_iter / max(1, self.n_epoch * self.n_iter)
             batch = to_device(batch, self._device, non_blocking=True)
-            self._split_batch(batch)
+            self.xb, self.yb = split_batch(batch, self.n_inp)
+            self._trim_padding(i)
             self.pred = self.loss = self.loss_grad = None  # a skipped batch must not report the last one
+            self.loss_count = 0.0
             self._with_events(self._do_one_batch, "batch", CancelBatchException)
 
-    def _split_batch(self, batch: Any) -> None:
-        if isinstance(batch, (list, tuple)):
-            self.xb, self.yb = tuple(batch[: self.n_inp]), tuple(batch[self.n_inp :])
-        else:
-            self.xb, self.yb = (batch,), ()
+    def _trim_padding(self, batch_index: int) -> None:
+        """Drop the rows `DistributedDL` added to even out ranks from the *inputs*: whatever
+        computes the loss (the model itself included), padding is never scored."""
+        real = self.dl.real_rows(batch_index) if isinstance(self.dl, DistributedDL) else None
+        self._empty_share = real == 0
+        self._padded_xb = self.xb
+        if real is not None and real < batch_size_of(self.xb):
+            self.xb, self.yb = take_rows(self.xb, real), take_rows(self.yb, real)
 
     def _do_one_batch(self) -> None:
         if not self._devices_checked:
             self._check_devices()
-        self.pred = self.model(*self.xb)
-        if not self.training:
-            self._drop_padding()
+        if self._empty_share and not self.training:
+            # Nothing to score here, but the forward pass keeps every collective in step (a sharded
+            # model gathers its weights) and gives the output's structure, with no rows.
+            self.pred = take_rows(self.call_model(self.model, self._padded_xb), 0)
+        else:
+            self.pred = self.call_model(self.model, self.xb)
         self("after_pred")
-        if not self.training and batch_size_of(self.xb) == 0:
-            self.loss = self.loss_grad = torch.zeros((), device=self._device)
-            return  # a batch made only of padding: nothing to score
-        self.loss_grad = self.loss_func(self.pred, *self.yb)
-        self.loss = self.loss_grad.detach()
+        if not self.score or (self._empty_share and not self.training):
+            return
+        total, count, mean = self.exact_loss.terms(self)
+        self.loss_count = count
+        if mean is None:
+            mean = total / count if count > 0 else total * 0
+        self.loss = mean.detach()
+        if self.training:
+            self.loss_grad = self.exact_loss.to_backward(self, total, count, mean)
+        else:
+            self.loss_grad = self.loss
         self("after_loss")
         if not self.training:
             return
@@ -330,6 +375,8 @@ class Learner:
             self.scaler.scale(self.loss_grad).backward()
         else:
             self.loss_grad.backward()
+        if self.grad_sync:  # this batch ends an optimizer step: divide by its global count
+            self.exact_loss.normalise_grads(self)
         self("after_backward")
         self("before_step")
         assert self.opt is not None
@@ -340,17 +387,6 @@ class Learner:
             self.opt.step()
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
-
-    def _drop_padding(self) -> None:
-        """Trim the samples `DistributedDL` added to even out ranks: they must never be scored."""
-        n_real = getattr(self.dl, "n_real", None)
-        if n_real is None:
-            return
-        n = batch_size_of(self.xb)
-        keep = max(0, min(n, n_real - self._seen))
-        self._seen += n
-        if keep < n:
-            self.xb, self.yb, self.pred = (take_rows(v, keep) for v in (self.xb, self.yb, self.pred))
 
     def _check_devices(self) -> None:
         self._devices_checked = True
@@ -366,16 +402,20 @@ class Learner:
                     "or stop moving the batch (the Learner moves batches to the model's device)"
                 )
 
-    def _shard(self, dl: DataLoader | DistributedDL) -> DataLoader | DistributedDL:
-        """This rank's share of `dl` for the current epoch, in the order set by `data_seed`."""
+    def _shard(self, dl: DataLoader | DistributedDL, pad: bool = True) -> DataLoader | DistributedDL:
+        """This rank's share of `dl` for the current epoch, in the order set by `data_seed`.
+
+        Training (`pad=False`) splits the last global batch unevenly: no item twice. Evaluation
+        pads by wrapping and trims the padding from the inputs."""
         if isinstance(dl, DistributedDL):
             return dl
         world = self.collective.world_size
         if world == 1 and (isinstance(dl.dataset, IterableDataset) or dl.batch_size is None):
             return dl  # one process: a loader we cannot re-order is used as it is
-        key = id(dl)
+        key = (id(dl), pad)
         if key not in self._sharded or self._sharded[key][0] is not dl:
-            self._sharded[key] = (dl, DistributedDL(dl, self.collective.rank, world, seed=self.data_seed))
+            sharded = DistributedDL(dl, self.collective.rank, world, seed=self.data_seed, pad=pad)
+            self._sharded[key] = (dl, sharded)
         sharded = self._sharded[key][1]
         sharded.set_epoch(self.epoch)
         return sharded
@@ -406,20 +446,52 @@ class Learner:
             self._do_epoch_validate(dl)
         return list(self.recorder.last_valid)
 
-    def get_preds(self, dl: DataLoader | None = None) -> tuple[Tensor, Tensor | None]:
-        """`(preds, targets)` for every sample of `dl` exactly once, in the loader's order, on every rank."""
-        collector = _PredsCollector()
-        self.record_metrics = False
+    def get_preds(
+        self, dl: DataLoader | None = None, with_loss: bool = False, pad_value: float = -100
+    ) -> tuple[Any, ...]:
+        """`(preds, targets)` for every sample of `dl` exactly once, in the loader's order, on every rank.
+
+        `preds` keeps the model's output structure (a tensor, tuple, dict or `ModelOutput`,
+        each per-sample field joined; a batch's scalar `loss` becomes None). Targets are
+        None for an unlabelled loader. Variable-length outputs are padded with `pad_value`.
+        No loss is computed, unless `with_loss=True`: then `(preds, targets, losses)`, one
+        loss per item from `loss_func` with `reduction="none"`.
+
+        >>> logits, labels = learn.get_preds()
+        >>> out, _ = hf_learn.get_preds(); out.logits.shape     # doctest: +SKIP
+        """
+        if with_loss:
+            check_per_item_loss(self.loss_func)
+        collector = PredsCollector(with_loss)
+        self.record_metrics, self.score = False, False
         last_valid = self.recorder.last_valid
         try:
             with self.added_cbs([collector]):
                 self._do_epoch_validate(dl)
         finally:
-            self.record_metrics = True
+            self.record_metrics, self.score = True, True
             self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
-        preds = self.collective.gather_ordered(cat_padded(collector.preds))
-        targets = self.collective.gather_ordered(cat_padded(collector.targets)) if collector.targets else None
-        return preds, targets
+        return collector.gathered(self.collective, pad_value)
+
+    def predict(self, item: Any, batched: bool = False) -> Any:
+        """The model's output for one dataset item (collated as the loaders do), or for a small
+        batch with `batched=True`; on this process only, in eval mode, without gradients.
+
+        >>> learn.predict(valid_ds[0])           # one item: no batch dimension
+        >>> learn.predict(xb, batched=True)      # a batch as a loader yields it
+        """
+        loader = self.dls.valid if self.dls.valid is not None else self.dls.train
+        batch = item if batched else loader.collate_fn([item])
+        xb, _ = split_batch(to_device(batch, self.device), self.n_inp)
+        model = self.raw_model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = self.call_model(model, xb)
+        finally:
+            model.train(was_training)
+        return out if batched else first_row(out)
 
     # ---- optimizer and state ---------------------------------------------------------
     @property
@@ -434,19 +506,46 @@ class Learner:
         return unwrap_model(self.model)
 
     def create_opt(self) -> torch.optim.Optimizer:
-        self.opt = self.opt_func(self.model.parameters(), lr=self.lr)
+        """`opt_func(params, lr=...)`, with one param group per part of `splitter(model)` if given.
+
+        The ratios between the groups' LRs (set by `opt_func` itself or by `lr=slice(...)`)
+        are kept by `fit(lr=...)` and by every scheduler."""
+        if self.splitter is not None:
+            params: Any = [{"params": list(part)} for part in self.splitter(self.raw_model)]
+        else:
+            params = self.model.parameters()
+        top = top_lr(self.lr)
+        self.opt = self.opt_func(params, lr=top)
+        self._lr_ratios = [group["lr"] / top for group in self.opt.param_groups]
+        if not isinstance(self.lr, (int, float)):
+            self.set_lr(self.lr)
         return self.opt
 
-    def set_lr(self, lr: float) -> None:
+    def group_lrs(self, lr: float | slice | Sequence[float]) -> list[float]:
+        """Each param group's LR for `lr` (a float keeps the groups' ratios; see `fit`)."""
+        assert self.opt is not None
+        return group_lrs(lr, len(self.opt.param_groups), self._lr_ratios)
+
+    def set_lr(self, lr: float | slice | Sequence[float]) -> None:
+        """Set each param group's LR (see `fit`); a slice or list also sets the ratios a later float keeps."""
         self.lr = lr
         if self.opt is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+            lrs = self.group_lrs(lr)
+            for group, group_lr in zip(self.opt.param_groups, lrs, strict=True):
+                group["lr"] = group_lr
+            if not isinstance(lr, (int, float)):
+                self._lr_ratios = [v / max(lrs) for v in lrs]
 
     @staticmethod
-    def _check_lr(lr: float) -> None:
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-            raise ValueError(f"learning rate must be a positive number, got {lr!r}")
+    def _check_lr(lr: float | slice | Sequence[float]) -> None:
+        values = (
+            [lr.start, lr.stop] if isinstance(lr, slice) else lr if isinstance(lr, (list, tuple)) else [lr]
+        )
+        for v in values:
+            if v is None and isinstance(lr, slice):
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"learning rate must be a positive number, got {lr!r}")
 
     def model_file(self, name: str | Path) -> Path:
         """Where `save(name)` writes: `path/model_dir/name.pth` (a path with a suffix is used as is)."""

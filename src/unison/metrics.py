@@ -9,10 +9,17 @@ one process gives.
 Two kinds cover most needs:
 
 - `AvgMetric(func)`: `func(pred, target)` returns a batch mean (e.g. `accuracy`);
-  the metric is the mean over samples. Any such plain function passed in
-  `Learner(metrics=...)` is wrapped this way.
+  the metric is the mean over samples, each batch weighted by its size. Any plain
+  function passed in `Learner(metrics=...)` is wrapped this way, which is exact only
+  for a per-sample mean; a function whose name says it is not one (F1, AUC,
+  precision, recall, MCC, R2, ...) is refused with a pointer to `AccumMetric`.
 - `AccumMetric(func)`: `func(all_preds, all_targets)` needs every prediction at
-  once (AUC, F1, ...).
+  once (AUC, F1, ...). Variable-length outputs are joined padded with -100.
+- A `torchmetrics.Metric` (or `MetricCollection`) is accepted as it is: updated with
+  real items only, its state synchronised over the learner's process group by
+  torchmetrics' own `sync`, then computed.
+
+A model output with `logits` (a dict or `ModelOutput`) reaches metrics as its logits.
 
 To write a new one, subclass `Metric`, declare its state and implement `update`
 and `compute`:
@@ -27,25 +34,24 @@ and `compute`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from unison.data.batch import batch_size_of, cat_padded
+
 if TYPE_CHECKING:
     from unison.distributed.collective import Collective
 
 
-def batch_size_of(batch: Any) -> int:
-    """Number of samples in a (nested) batch: dim 0 of its first tensor."""
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    for item in batch:
-        return batch_size_of(item)
-    return 0
+def metric_input(pred: Any) -> Any:
+    """What a metric scores: a model output's `logits` when it has them, else the output."""
+    if isinstance(pred, Mapping) and "logits" in pred:
+        return pred["logits"]
+    return pred
 
 
 class Metric:
@@ -81,8 +87,14 @@ class Metric:
             setattr(self, state, collective.sum(getattr(self, state)))
         for state in self.cat_states:
             parts: list[Tensor] = getattr(self, state)
-            local = torch.cat(parts) if parts else torch.zeros(0)
-            setattr(self, state, [collective.gather_ordered(local)])
+            local = cat_padded(parts) if parts else None
+            if collective.active:  # a rank that saw no item (a tiny set) takes the others' dims and dtype
+                kinds = collective.gather_objects(None if local is None else (local.dim(), local.dtype))
+                known = [k for k in kinds if k is not None]
+                if local is None and known:
+                    local = torch.zeros((0,) * known[0][0], dtype=known[0][1])
+            local = local if local is not None else torch.zeros(0)
+            setattr(self, state, [collective.gather_ordered(local, pad_value=-100)])
 
     def value(self, collective: Collective) -> float:
         """Synchronise, then compute."""
@@ -161,21 +173,124 @@ class AccumMetric(Metric):
         self.targets.append(targets[0].detach())
 
     def compute(self) -> float:
-        preds = torch.cat(self.preds) if self.preds else torch.zeros(0)
-        targets = torch.cat(self.targets) if self.targets else torch.zeros(0)
+        preds = cat_padded(self.preds) if self.preds else torch.zeros(0)
+        targets = cat_padded(self.targets) if self.targets else torch.zeros(0)
         out = self.func(preds, targets)
         return float(out)
 
 
+class TorchMetric(Metric):
+    """A `torchmetrics.Metric` inside the learner (a `MetricCollection` gives one each): updated on real items
+    only, synchronised over the learner's group with torchmetrics' own `sync`, then computed.
+
+    >>> from torchmetrics.classification import MulticlassF1Score
+    >>> learn = Learner(dls, model, loss_func, metrics=[MulticlassF1Score(3, average="macro")])
+    """
+
+    def __init__(
+        self, metric: Any, name: str | None = None, activation: Callable[[Tensor], Tensor] | None = None
+    ):
+        self.metric = metric
+        self.activation = activation
+        # unison decides when to sync (over its own group), never torchmetrics behind its back.
+        self.metric.sync_on_compute = False
+        self.metric._to_sync = False  # what compute() reads (torchmetrics copies it at init)
+        super().__init__(name or _snake(type(metric).__name__))
+
+    def reset(self) -> None:
+        self.metric.reset()
+
+    def update(self, pred: Any, *targets: Any) -> None:
+        pred = pred.detach()
+        if self.activation is not None:
+            pred = self.activation(pred)
+        if self.metric.device != pred.device:
+            self.metric.to(pred.device)
+        self.metric.update(pred, *(t.detach() for t in targets))
+
+    def sync(self, collective: Collective) -> None:
+        if collective.active:
+            self.metric.sync(
+                dist_sync_fn=_gather_fn(collective),
+                process_group=collective.group,
+                should_sync=True,
+                distributed_available=lambda: True,
+            )
+
+    def compute(self) -> float:
+        out = self.metric.compute()
+        return float(out.float().mean()) if isinstance(out, Tensor) else float(out)
+
+    def value(self, collective: Collective) -> float:
+        self.sync(collective)
+        try:
+            return self.compute()
+        finally:
+            if getattr(self.metric, "_is_synced", False):  # compute() may have restored it already
+                self.metric.unsync()
+
+
+def _gather_fn(collective: Collective) -> Callable[..., list[Tensor]]:
+    """torchmetrics' `gather_all_tensors`, except that a rank that saw no item (its state an empty
+    1-D tensor) first takes the other ranks' trailing dims and dtype, so every rank gathers alike."""
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    def gather(t: Tensor, group: Any = None) -> list[Tensor]:
+        kinds = collective.gather_objects((tuple(t.shape), t.dtype))
+        filled = [(shape, dtype) for shape, dtype in kinds if shape and shape[0] > 0]
+        if t.numel() == 0 and filled:
+            shape, dtype = filled[0]
+            t = torch.zeros((0, *shape[1:]), dtype=dtype, device=t.device)
+        return gather_all_tensors(t, group=group)
+
+    return gather
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _is_torchmetric(m: Any) -> bool:
+    return any(
+        c.__module__.startswith("torchmetrics") for c in type(m).__mro__ if c is not object
+    ) and hasattr(m, "update")
+
+
+# A plain function is averaged over batches; these names say that would be wrong.
+_NOT_A_MEAN = re.compile(r"f1|f_?beta|auc|auroc|roc|precision|recall|matthews|mcc|r2|kappa|corr", re.I)
+
+
 def as_metric(m: Metric | Callable[..., Any]) -> Metric:
-    """A `Metric` as given, a plain function wrapped in `AvgMetric`; anything else is an error."""
+    """A `Metric` as given, a torchmetrics metric adapted, a plain per-sample-mean function wrapped
+    in `AvgMetric`; a function that cannot be averaged over batches, or anything else, is an error."""
     if isinstance(m, Metric):
         return m
     if isinstance(m, type) and issubclass(m, Metric):
         return m()
+    if _is_torchmetric(m):
+        return TorchMetric(m)
     if callable(m):
+        name = getattr(m, "__name__", type(m).__name__)
+        if _NOT_A_MEAN.search(name):
+            raise ValueError(
+                f"metric {name!r} is not a mean over samples, so averaging it over batches would be wrong: "
+                f"pass AccumMetric({name}) (computed once over every prediction) or a torchmetrics Metric"
+            )
         return AvgMetric(m)
     raise TypeError(f"metric {m!r} is neither a unison Metric nor a callable(pred, target)")
+
+
+def as_metrics(metrics: Iterable[Any] | Any) -> list[Metric]:
+    """`Learner(metrics=...)`: a single metric or function, or an iterable of them."""
+    if isinstance(metrics, Metric) or callable(metrics) or _is_torchmetric(metrics):
+        metrics = [metrics]
+    out: list[Metric] = []
+    for m in metrics:
+        if _is_torchmetric(m) and hasattr(m, "items"):  # a MetricCollection: one column per metric
+            out += [TorchMetric(v, name=k) for k, v in m.items()]
+        else:
+            out.append(as_metric(m))
+    return out
 
 
 def accuracy(pred: Tensor, target: Tensor, axis: int = -1) -> Tensor:

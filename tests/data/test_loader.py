@@ -245,3 +245,34 @@ def test_a_custom_collate_keeps_the_item_by_item_path():
     ds = TensorDataset(torch.arange(10.0))
     dl = DistributedDL(DataLoader(ds, batch_size=4, collate_fn=lambda items: len(items)), 0, 1)
     assert not isinstance(dl._inner.dataset, _TensorBatches) and list(dl) == [4, 4, 2]
+
+
+def test_unpadded_shards_hold_each_item_once_and_split_the_last_global_batch():
+    """Training's plan (pad=False): 50 items, batch 4, W=4: 3 full global batches of 16, then 2 items
+    split over ranks 0 and 1; ranks 2 and 3 get one padding item each, marked as not real."""
+    dl = DataLoader(list(range(50)), batch_size=4, shuffle=True)
+    ddls = [DistributedDL(dl, r, 4, seed=3, pad=False) for r in range(4)]
+    batches = [list(d) for d in ddls]
+    assert [len(d) for d in ddls] == [4] * 4
+    real = [
+        [b[: d.real_rows(k)].tolist() for k, b in enumerate(bs)] for d, bs in zip(ddls, batches, strict=True)
+    ]
+    seen = sorted(i for per_rank in real for b in per_rank for i in b)
+    assert seen == list(range(50))  # every item once, no wrap-around duplicate
+    assert [d.real_rows(3) for d in ddls] == [1, 1, 0, 0]
+    assert [len(bs[3]) for bs in batches] == [1, 1, 1, 1]  # an empty share still yields a batch
+    assert [ddls[0].global_rows(k) for k in range(4)] == [16, 16, 16, 2]
+    # the k-th global batch is one process's k-th batch of 16, in the same order
+    single = list(
+        DistributedDL(DataLoader(list(range(50)), batch_size=16, shuffle=True), 0, 1, seed=3, pad=False)
+    )
+    for k in range(4):
+        together = sorted(i for per_rank in real for i in per_rank[k])
+        assert together == sorted(single[k].tolist())
+
+
+def test_unpadded_shards_with_drop_last_drop_the_incomplete_global_batch():
+    dl = DataLoader(list(range(50)), batch_size=4, drop_last=True)
+    ddls = [DistributedDL(dl, r, 4, pad=False) for r in range(4)]
+    assert [len(d) for d in ddls] == [3] * 4
+    assert sorted(i for d in ddls for b in d for i in b.tolist()) == list(range(48))

@@ -10,14 +10,18 @@ from unison.callbacks.core import (
     CancelTrainException,
     CancelValidException,
 )
+from unison.callbacks.loggers import CSVLogger, TensorBoardLogger
 from unison.callbacks.precision import MixedPrecision
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
-from unison.callbacks.schedule import LRFinder, OneCycleScheduler
+from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.training import GradientAccumulation, GradientClip
 
 __all__ = [
+    "CSVLogger",
+    "LRSchedulerCallback",
+    "TensorBoardLogger",
     "Callback",
     "CancelBatchException",
     "CancelEpochException",

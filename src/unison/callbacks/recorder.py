@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
-from unison.metrics import WeightedMean, batch_size_of
+from unison.metrics import WeightedMean, metric_input
 
 
 def format_time(seconds: float) -> str:
@@ -25,7 +25,9 @@ class Recorder(Callback):
     """Records the training run; prints one table row per epoch on rank 0.
 
     `values` holds `[train_loss, valid_loss, *metrics]` per epoch, `metric_names`
-    the column names, `losses` and `lrs` the per-batch training loss and LR.
+    the column names, `losses` and `lrs` the per-batch training loss and LR. Each
+    per-batch loss is the global batch's (every rank's loss terms together), so the
+    curve is the same on one process and on W.
 
     >>> learn.recorder.values[-1]        # last epoch
     >>> learn.recorder.plot_loss("loss.png")
@@ -45,7 +47,8 @@ class Recorder(Callback):
         # This epoch's training losses and batch sizes, kept as they come (no tensor math per
         # batch) and reduced once in after_train; `_carry` holds sums resumed from another layout.
         self._batch_losses: list[torch.Tensor] = []
-        self._batch_sizes: list[int] = []
+        self._batch_sizes: list[float] = []
+        self._n_resumed = 0
         self._carry = (torch.zeros(()), torch.zeros(()))
         self._header_done = False
         self._pending_partial: dict[str, Any] | None = None
@@ -70,11 +73,13 @@ class Recorder(Callback):
         self._open.add("train")
         self._batch_losses, self._batch_sizes = [], []
         self._carry = (torch.zeros(()), torch.zeros(()))
+        self._n_resumed = 0
         if self._pending_partial is not None:  # resuming mid-epoch: what this rank had so far
             partial, self._pending_partial = self._pending_partial, None
             self._batch_losses = list(partial["losses"])
-            self._batch_sizes = partial["sizes"].tolist()
+            self._batch_sizes = [float(n) for n in partial["sizes"].tolist()]
             self._carry = (partial["carry"][0], partial["carry"][1])
+            self._n_resumed = len(self._batch_losses)
 
     def before_validate(self) -> None:
         self._open.add("validate")
@@ -86,7 +91,7 @@ class Recorder(Callback):
         learn = self.learn
         if learn.loss is None or self.paused:
             return
-        n = batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb)
+        n = learn.loss_count  # the loss's own terms: samples, or tokens for a SummedLoss
         if learn.training:
             self._batch_losses.append(learn.loss)  # a tensor: no host sync per batch
             self._batch_sizes.append(n)
@@ -96,17 +101,32 @@ class Recorder(Callback):
             self._valid_loss.add(learn.loss, n)
             if learn.record_metrics and n:
                 for m in learn.metrics:
-                    m.update(learn.pred, *learn.yb)
+                    m.update(metric_input(learn.pred), *learn.yb)
 
     def after_train(self) -> None:
         if self.paused or not self._closes("train"):
             return
         train_loss = WeightedMean("train_loss")
         train_loss.total, train_loss.count = self._train_sums()
-        if self._batch_losses:
-            self.losses.extend(torch.stack(self._batch_losses).float().cpu().tolist())
+        self.losses.extend(self._global_batch_losses())
         self._batch_losses, self._batch_sizes = [], []
         self._train_value = train_loss.value(self.learn.collective)
+
+    def _global_batch_losses(self) -> list[float]:
+        """Each batch's loss over every rank: sum of loss terms / their count (one collective).
+        Batches carried over from a checkpoint keep the values this rank recorded."""
+        resumed = [float(v) for v in self._batch_losses[: self._n_resumed]]
+        fresh, sizes = self._batch_losses[self._n_resumed :], self._batch_sizes[self._n_resumed :]
+        collective = self.learn.collective
+        if not fresh:
+            if collective.active:
+                collective.sum(torch.zeros(2, 0))  # every rank reduces, even one with no batch
+            return resumed
+        losses = torch.stack(fresh).double().cpu()
+        counts = torch.tensor(sizes, dtype=torch.float64)
+        both = collective.sum(torch.stack([losses * counts, counts]))
+        means = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), losses)
+        return resumed + means.tolist()
 
     def _train_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far."""
@@ -183,7 +203,7 @@ class Recorder(Callback):
         """Every rank's training losses and batch sizes of the epoch in progress (a collective)."""
         own = {
             "losses": torch.stack(self._batch_losses).float().cpu() if self._batch_losses else torch.zeros(0),
-            "sizes": torch.tensor(self._batch_sizes, dtype=torch.long),
+            "sizes": torch.tensor(self._batch_sizes, dtype=torch.float64),
             "carry": torch.stack([self._carry[0].float().cpu(), self._carry[1].float().cpu()]),
         }
         return {"ranks": self.learn.collective.gather_objects(own)}
@@ -196,7 +216,11 @@ class Recorder(Callback):
             self._pending_partial = None
             return
         ranks = partial["ranks"]
-        empty = {"losses": torch.zeros(0), "sizes": torch.zeros(0, dtype=torch.long), "carry": torch.zeros(2)}
+        empty = {
+            "losses": torch.zeros(0),
+            "sizes": torch.zeros(0, dtype=torch.float64),
+            "carry": torch.zeros(2),
+        }
         if len(ranks) == world_size:
             self._pending_partial = ranks[rank]
         elif rank == 0:
@@ -226,7 +250,12 @@ class Recorder(Callback):
         """Write a PNG of the training loss per batch (and validation loss per epoch); rank 0 only."""
         if not self.learn.collective.is_main:
             return None
-        import matplotlib
+        try:
+            import matplotlib
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                "plot_loss needs matplotlib: pip install 'unison[examples]' (or pip install matplotlib)"
+            ) from None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -1,9 +1,16 @@
-"""LR and momentum schedules: the one-cycle policy, and the LR range test (`lr_find`)."""
+"""LR and momentum schedules: the one-cycle policy, torch `lr_scheduler`s, the LR range test.
+
+Every schedule keeps the optimizer's param groups: it moves each group's own LR, never
+flattens them to one. An LR is a float (each group keeps its ratio to the others), a
+`slice(lo, hi)` (groups spread geometrically from lo to hi, fastai's discriminative
+LRs) or a list with one LR per group.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +18,41 @@ from unison.callbacks.core import Callback, CancelFitException, CancelValidExcep
 
 if TYPE_CHECKING:
     from unison.learner import Learner
+
+
+def top_lr(lr: float | slice | Sequence[float]) -> float:
+    """The largest LR that `lr` names (a slice's stop, a list's maximum)."""
+    if isinstance(lr, slice):
+        return float(lr.stop)
+    if isinstance(lr, (list, tuple)):
+        return float(max(lr))
+    return float(lr)
+
+
+def group_lrs(
+    lr: float | slice | Sequence[float], n_groups: int, ratios: Sequence[float] = ()
+) -> list[float]:
+    """One LR per param group for `lr`.
+
+    >>> group_lrs(slice(1e-4, 1e-2), 3)
+    [0.0001, 0.001, 0.01]
+    >>> group_lrs(1e-2, 2, ratios=[0.1, 1.0])
+    [0.001, 0.01]
+    """
+    if isinstance(lr, slice):
+        hi = float(lr.stop)
+        if lr.start is None:  # fastai: the last group at hi, the others at hi / 10
+            return [hi / 10] * (n_groups - 1) + [hi]
+        lo = float(lr.start)
+        if n_groups == 1:
+            return [hi]
+        return [lo * (hi / lo) ** (i / (n_groups - 1)) for i in range(n_groups)]
+    if isinstance(lr, (list, tuple)):
+        if len(lr) != n_groups:
+            raise ValueError(f"{len(lr)} learning rates given for {n_groups} param groups")
+        return [float(v) for v in lr]
+    ratios = list(ratios) if len(ratios) == n_groups else [1.0] * n_groups
+    return [float(lr) * r for r in ratios]
 
 
 def cosine(start: float, end: float, pct: float) -> float:
@@ -47,7 +89,7 @@ class OneCycleScheduler(Callback):
 
     def __init__(
         self,
-        lr_max: float,
+        lr_max: float | slice | Sequence[float],
         div: float = 25.0,
         div_final: float = 1e5,
         pct_start: float = 0.25,
@@ -63,27 +105,65 @@ class OneCycleScheduler(Callback):
             moms,
         )
 
-    def lr_at(self, pct: float) -> float:
-        return one_cycle(
-            pct, self.lr_max, self.lr_max / self.div, self.lr_max / self.div_final, self.pct_start
-        )
+    def lr_at(self, pct: float, peak: float | None = None) -> float:
+        peak = top_lr(self.lr_max) if peak is None else peak
+        return one_cycle(pct, peak, peak / self.div, peak / self.div_final, self.pct_start)
 
     def before_batch(self) -> None:
         learn = self.learn
         if not learn.training or learn.opt is None:
             return
-        lr = self.lr_at(learn.pct_train)
-        for group in learn.opt.param_groups:
-            group["lr"] = lr
+        peaks = learn.group_lrs(self.lr_max)  # each group cycles around its own peak
+        for group, peak in zip(learn.opt.param_groups, peaks, strict=True):
+            group["lr"] = self.lr_at(learn.pct_train, peak)
         if self.moms is not None:
             high, low, end = self.moms
             set_momentum(learn.opt, one_cycle(learn.pct_train, low, high, end, self.pct_start))
 
 
+class LRSchedulerCallback(Callback):
+    """Drive a torch `lr_scheduler` from the loop: built on the learner's optimizer at `before_fit`,
+    stepped after every optimizer step (`interval="batch"`) or every epoch (`"epoch"`).
+
+    >>> sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    >>> learn.fit(3, cbs=[LRSchedulerCallback(sched)])
+    """
+
+    order = 10
+
+    def __init__(self, make_scheduler: Callable[[torch.optim.Optimizer], Any], interval: str = "batch"):
+        if interval not in ("batch", "epoch"):
+            raise ValueError(f"LRSchedulerCallback: interval must be 'batch' or 'epoch', got {interval!r}")
+        self.make_scheduler, self.interval = make_scheduler, interval
+        self.scheduler: Any = None
+        self._pending: dict[str, Any] | None = None
+
+    def before_fit(self) -> None:
+        self.scheduler = self.make_scheduler(self.learn.opt)
+        if self._pending is not None:  # resumed from a checkpoint
+            self.scheduler.load_state_dict(self._pending)
+            self._pending = None
+
+    def after_step(self) -> None:
+        if self.interval == "batch":
+            self.scheduler.step()
+
+    def after_train(self) -> None:
+        if self.interval == "epoch":
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict() if self.scheduler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = state
+
+
 class LRFinder(Callback):
     """Raises the LR exponentially each batch and records the loss; stops when it diverges.
 
-    The recorded loss is averaged over all ranks, so every rank takes the same stop decision.
+    The recorded loss is the global batch's (every rank's loss terms), so every rank takes the
+    same stop decision.
     """
 
     order = 10
@@ -105,8 +185,9 @@ class LRFinder(Callback):
         if not self.learn.training or self.learn.opt is None:
             return
         lr = self.start_lr * (self.end_lr / self.start_lr) ** (self.step / max(1, self.num_it - 1))
-        for group in self.learn.opt.param_groups:
-            group["lr"] = lr
+        # The sweep moves the top group's LR; the others keep their ratios to it.
+        for group, group_lr in zip(self.learn.opt.param_groups, self.learn.group_lrs(lr), strict=True):
+            group["lr"] = group_lr
         self._lr = lr
 
     def after_batch(self) -> None:
@@ -114,7 +195,12 @@ class LRFinder(Callback):
         if not learn.training or learn.loss is None:
             return
         collective = learn.collective
-        loss = float(collective.sum(learn.loss.detach().float().reshape(1))[0]) / collective.world_size
+        count = float(learn.loss_count)
+        both = torch.stack(
+            [learn.loss.detach().double().cpu() * count, torch.tensor(count, dtype=torch.float64)]
+        )
+        total, n = collective.sum(both).tolist()  # the global batch's loss, as one process sees it
+        loss = total / n if n > 0 else float(learn.loss)
         self.lrs.append(self._lr)
         self.losses.append(loss)
         self.best = min(self.best, loss)

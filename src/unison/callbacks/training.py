@@ -29,8 +29,9 @@ class GradientClip(Callback):
 class GradientAccumulation(Callback):
     """Step the optimizer every `n_acc` batches, as if the batch were `n_acc` times larger.
 
-    Each micro-batch's loss is divided by `n_acc`, so the accumulated gradient is the
-    mean over the large batch. On the micro-steps `learn.grad_sync` is False, which
+    The learner divides the accumulated gradient by the count of loss terms over all
+    micro-batches (and ranks), so it is exactly the mean over the large batch, even when
+    batches differ in size or a loss counts tokens. On the micro-steps `learn.grad_sync` is False, which
     makes `DistributedTrainer` run them under DDP's `no_sync()`: gradients are
     all-reduced once per step, not once per micro-batch. The last batches of an epoch
     always end in a step.
@@ -52,10 +53,6 @@ class GradientAccumulation(Callback):
         last = learn.iter + 1 == learn.n_iter
         self._step_now = (learn.iter + 1) % self.n_acc == 0 or last
         learn.grad_sync = self._step_now
-
-    def after_loss(self) -> None:
-        if self.learn.training and self.n_acc > 1:
-            self.learn.loss_grad = self.learn.loss_grad / self.n_acc
 
     def before_step(self) -> None:
         if not self._step_now:

@@ -1,30 +1,58 @@
-"""`DataLoaders`: the train and valid loaders of a `Learner`, plus device moves."""
+"""Batch structure: tensors nested in tuples, lists, dicts, namedtuples and `ModelOutput`s.
+
+Every transform here keeps each container's class (a `transformers` `ModelOutput`
+stays one), so a model's output or a Hugging Face batch survives device moves,
+row slicing and concatenation as the type its code expects. `DataLoaders` pairs a
+training and a validation loader.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 
+def _rebuild_mapping(x: Mapping, items: dict[str, Any]) -> Any:
+    """A mapping of `x`'s class holding `items` (`ModelOutput` and other dataclasses by keyword)."""
+    if dataclasses.is_dataclass(x):
+        return type(x)(**items)
+    try:
+        return type(x)(items)
+    except TypeError:  # a Mapping class without a dict constructor: a plain dict still reads the same
+        return dict(items)
+
+
+def map_tensors(fn: Callable[[Tensor], Any], x: Any) -> Any:
+    """`x` with `fn` applied to every tensor, each container rebuilt as its own class.
+
+    >>> map_tensors(lambda t: t * 2, {"a": (torch.ones(1),)})
+    {'a': (tensor([2.]),)}
+    """
+    if isinstance(x, Tensor):
+        return fn(x)
+    if isinstance(x, Mapping):
+        return _rebuild_mapping(x, {k: map_tensors(fn, v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(map_tensors(fn, v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_tensors(fn, v) for v in x)
+    return x
+
+
 def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """`batch` with every tensor moved to `device` (tuples, lists and dicts are walked).
+    """`batch` with every tensor moved to `device` (any nesting; container classes kept).
 
     >>> to_device((torch.zeros(1), {"y": torch.ones(1)}), "cpu")[1]["y"]
     tensor([1.])
     """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
@@ -39,30 +67,157 @@ def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(v)
 
 
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in a (nested) batch: dim 0 of its first tensor that has one.
+
+    >>> batch_size_of({"input_ids": torch.zeros(3, 7)})
+    3
+    """
+    for t in tensors_in(batch):
+        if t.dim():
+            return int(t.shape[0])
+    return 0
+
+
 def take_rows(x: Any, n: int) -> Any:
-    """The first `n` samples of a (nested) batch."""
-    if isinstance(x, Tensor):
-        return x[:n] if x.dim() else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(take_rows(v, n) for v in x)
-    if isinstance(x, dict):
-        return {k: take_rows(v, n) for k, v in x.items()}
-    return x
+    """The first `n` samples of a (nested) batch; scalars and non-tensors are kept as they are.
+
+    >>> take_rows({"ids": torch.arange(6).view(3, 2)}, 1)
+    {'ids': tensor([[0, 1]])}
+    """
+    return map_tensors(lambda t: t[:n] if t.dim() else t, x)
 
 
-def cat_padded(parts: Sequence[Tensor]) -> Tensor:
-    """Concatenate along dim 0, zero-padding later dims to the largest (variable-length outputs)."""
+def cat_padded(parts: Sequence[Tensor], pad_value: float = -100) -> Tensor:
+    """Concatenate along dim 0, padding later dims to the largest with `pad_value`.
+
+    Variable-length outputs (tokens) line up without inventing values: a padded
+    integer target reads -100, the index PyTorch's losses and unison's metrics ignore.
+
+    >>> cat_padded([torch.tensor([[1, 2]]), torch.tensor([[3]])]).tolist()
+    [[1, 2], [3, -100]]
+    """
     if not parts:
         return torch.zeros(0)
     if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
         return torch.cat(list(parts))
+    if any(p.dim() != parts[0].dim() for p in parts):
+        raise ValueError(f"cat_padded: parts have different numbers of dims: {[p.dim() for p in parts]}")
     trailing = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = parts[0].new_zeros([sum(p.shape[0] for p in parts), *trailing])
+    out = parts[0].new_full([sum(p.shape[0] for p in parts), *trailing], pad_value)
     row = 0
     for p in parts:
         out[(slice(row, row + len(p)), *(slice(0, n) for n in p.shape[1:]))] = p
         row += len(p)
     return out
+
+
+def _leaves(x: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    if isinstance(x, Mapping):
+        for k, v in x.items():
+            yield from _leaves(v, (*prefix, k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, (*prefix, i))
+    else:
+        yield prefix, x
+
+
+def cat_structured(batches: Sequence[Any], pad_value: float = -100, combine: Callable | None = None) -> Any:
+    """Batches of one structure concatenated leaf by leaf, in that structure (classes kept).
+
+    Per-sample tensors (dim >= 1) are joined with `cat_padded`; scalars such as a batch's
+    `loss` and anything that is not a tensor become None. `combine(tensor)` then runs on
+    each joined tensor (an ordered gather across ranks, say).
+
+    >>> cat_structured([{"x": torch.ones(1, 2)}, {"x": torch.zeros(2, 2)}])["x"].shape
+    torch.Size([3, 2])
+    """
+    if not batches:
+        return None
+    joined: dict[tuple, Any] = {}
+    for path, leaf in _leaves(batches[0]):
+        parts = [_at(b, path) for b in batches]
+        if isinstance(leaf, Tensor) and leaf.dim() and all(isinstance(p, Tensor) for p in parts):
+            t = cat_padded(parts, pad_value)
+            joined[path] = combine(t) if combine is not None else t
+        else:
+            joined[path] = None
+    return _fill(batches[0], joined, ())
+
+
+def _at(x: Any, path: tuple) -> Any:
+    for k in path:
+        x = x[k]
+    return x
+
+
+def _fill(x: Any, joined: dict[tuple, Any], prefix: tuple) -> Any:
+    if isinstance(x, Mapping):
+        return _rebuild_mapping(x, {k: _fill(v, joined, (*prefix, k)) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_fill(v, joined, (*prefix, i)) for i, v in enumerate(x)))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fill(v, joined, (*prefix, i)) for i, v in enumerate(x))
+    return joined[prefix]
+
+
+def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """`(inputs, targets)` of a batch as the learner sees them.
+
+    A tuple, list or namedtuple: its first `n_inp` items are inputs, the rest targets. A dict (a
+    Hugging Face batch): the whole dict is the input, and its `labels` (or `label`) also
+    the target that metrics read. Anything else: an input without targets.
+
+    >>> split_batch({"input_ids": ids, "labels": y})   # doctest: +SKIP
+    (({'input_ids': ids, 'labels': y},), (y,))
+    """
+    if isinstance(batch, Mapping):
+        for key in ("labels", "label"):
+            if key in batch:
+                return (batch,), (batch[key],)
+        return (batch,), ()
+    if isinstance(batch, (list, tuple)):  # namedtuples too: their fields in order
+        return tuple(batch[:n_inp]), tuple(batch[n_inp:])
+    return (batch,), ()
+
+
+def call_model(model: nn.Module, xb: tuple[Any, ...]) -> Any:
+    """The learner's forward call: a single dict input goes in as keyword arguments
+    (`model(**batch)`, as Hugging Face models expect; keys the model's `forward` does not
+    name, such as `labels` for a model that does not score itself, are left out),
+    anything else positionally.
+
+    For another calling convention, give the learner your own: `Learner(..., call_model=fn)`.
+
+    >>> call_model(model, ({"input_ids": ids, "attention_mask": mask},))   # doctest: +SKIP
+    """
+    if len(xb) == 1 and isinstance(xb[0], Mapping):
+        accepted = _keyword_names(model)
+        kwargs = xb[0] if accepted is None else {k: v for k, v in xb[0].items() if k in accepted}
+        return model(**kwargs)
+    return model(*xb)
+
+
+def _keyword_names(model: nn.Module) -> frozenset[str] | None:
+    """The keywords the user's model's `forward` takes, None when it takes any (`**kwargs`):
+    a dict batch's `labels` is not passed to a model that has no such argument."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):  # DDP / DataParallel
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    return _forward_keywords(type(inner))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_keywords(cls: type) -> frozenset[str] | None:
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
 
 
 class DataLoaders:

@@ -4,6 +4,11 @@ Every rank lists the same global order of indices (a function of a seed and the
 epoch only), pads it by wrapping to a multiple of the world size and takes every
 `world_size`-th position starting at its rank. So the k-th batches of all ranks
 together are the k-th batch of one process with batch size `world_size * bs`.
+
+With `pad=False` (how the learner trains) nothing is wrapped: the last global batch
+is split unevenly, so the epoch holds exactly the dataset's items. A rank whose share
+of that batch is empty gets one padding item, marked by `real_rows` as not real, so
+it still yields a batch (and takes part in every collective) that the learner trims.
 """
 
 from __future__ import annotations
@@ -91,7 +96,12 @@ class DistributedDL:
     """
 
     def __init__(
-        self, dl: DataLoader, rank: int | None = None, world_size: int | None = None, seed: int | None = None
+        self,
+        dl: DataLoader,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int | None = None,
+        pad: bool = True,
     ) -> None:
         if not isinstance(dl, DataLoader):
             raise TypeError(f"DistributedDL wraps a torch DataLoader, got {type(dl).__name__}")
@@ -128,7 +138,9 @@ class DistributedDL:
                 dist.broadcast_object_list(box, src=0)
                 seed = box[0]
         self.seed = int(seed)
+        self.pad = pad
         self.epoch = 0
+        self._real: list[int] = []
         self._dl = dl
         self._start = 0
         self._order: list[Any] | None = None
@@ -224,25 +236,69 @@ class DistributedDL:
 
     @property
     def n_items(self) -> int:
-        """How many items this rank yields per epoch (`ceil(n / W)`, less the dropped last batch)."""
+        """How many items this rank yields per epoch (`ceil(n / W)`, less the dropped last batch;
+        with `pad=False`, its real items of the epoch's global batches)."""
+        if not self.pad:
+            return sum(self._real_counts())
         items = math.ceil(self._n / self.world_size)
         return items - items % self.batch_size if self.drop_last else items
 
     @property
     def n_real(self) -> int:
         """How many of this rank's items are real, not wrap-around padding (which always comes last)."""
+        if not self.pad:
+            return self.n_items
         return max(0, min(self.n_items, math.ceil((self._n - self.rank) / self.world_size)))
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank; `set_start` does not change it)."""
+        if not self.pad:
+            global_bs = self.world_size * self.batch_size
+            return self._n // global_bs if self.drop_last else math.ceil(self._n / global_bs)
         return math.ceil(self.n_items / self.batch_size)
+
+    def _positions(self, batch_index: int) -> list[int]:
+        """Global positions of this rank's batch `batch_index` (past `n` when wrapped)."""
+        w, bs = self.world_size, self.batch_size
+        first = batch_index * w * bs + self.rank
+        if self.pad:
+            last = self.rank + w * self.n_items
+            return list(range(first, min(first + w * bs, last), w))
+        return [p for p in range(first, first + w * bs, w) if p < self._n]
+
+    def global_rows(self, batch_index: int) -> int:
+        """Real items in global batch `batch_index` over all ranks (`pad=False`: the whole plan is known).
+
+        >>> DistributedDL(DataLoader(list(range(5)), batch_size=2), 0, 2, pad=False).global_rows(1)
+        1
+        """
+        global_bs = self.world_size * self.batch_size
+        return max(0, min(global_bs, self._n - batch_index * global_bs))
+
+    def _real_counts(self) -> list[int]:
+        return [sum(p < self._n for p in self._positions(k)) for k in range(len(self))]
+
+    def real_rows(self, batch_index: int) -> int:
+        """How many leading rows of batch `batch_index` (of the epoch last iterated) are real items;
+        the rest is padding that must never be scored.
+
+        >>> ddl = DistributedDL(DataLoader(list(range(5)), batch_size=2), 1, 2)
+        >>> [len(b) for b in ddl], ddl.real_rows(1)
+        ([2, 1], 0)
+        """
+        return self._real[batch_index] if batch_index < len(self._real) else 0
 
     def _plan(self, epoch: int, start: int) -> list[list[Any]]:
         self._order = order = self.global_order(epoch)
-        n, w, bs = len(order), self.world_size, self.batch_size
-        positions = range(self.rank, self.rank + w * self.n_items, w)
-        items = [order[p % n] for p in positions] if n else []
-        return [items[i : i + bs] for i in range(start * bs, len(items), bs)]
+        n = len(order)
+        if not n:
+            self._real = []
+            return []
+        plans = [self._positions(k) for k in range(len(self))]
+        self._real = [sum(p < n for p in positions) for positions in plans]
+        # An empty share still yields one (padding) item so that every rank runs every step.
+        batches = [[order[p % n] for p in positions] or [order[k % n]] for k, positions in enumerate(plans)]
+        return batches[start:]
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.epoch, self._start

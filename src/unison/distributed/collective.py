@@ -45,12 +45,12 @@ class Collective:
         dist.all_reduce(buf, group=self.group)
         return buf.to(t.device)
 
-    def gather_ordered(self, t: Tensor) -> Tensor:
+    def gather_ordered(self, t: Tensor, pad_value: float = 0) -> Tensor:
         """Rows of every rank's `t`, interleaved as `DistributedDL` strided them.
 
         Row `k` of rank `r` holds global position `r + k * world_size`; the result puts
         each row back at its global position. Ranks may hold different numbers of rows
-        and different sizes past dim 0 (padded with zeros to the largest).
+        and different sizes past dim 0 (padded with `pad_value` to the largest).
         """
         if not self.active:
             return t
@@ -61,14 +61,14 @@ class Collective:
         if any(len(s) != t.dim() for s in sizes):
             raise ValueError("gather_ordered: ranks hold tensors with different numbers of dimensions")
         max_shape = [max(s[d] for s in sizes) for d in range(t.dim())]
-        padded = t.new_zeros(max_shape, device=self.device)
+        padded = t.new_full(max_shape, pad_value, device=self.device)
         padded[tuple(slice(0, n) for n in t.shape)] = t.to(self.device)
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded.contiguous(), group=self.group)
         rows = [p[: s[0]] for p, s in zip(parts, sizes, strict=True)]
         trailing = tuple(slice(0, n) for n in max_shape[1:])
         total = sum(s[0] for s in sizes)
-        out = t.new_zeros([total, *max_shape[1:]], device=self.device)
+        out = t.new_full([total, *max_shape[1:]], pad_value, device=self.device)
         for r, part in enumerate(rows):
             out[(slice(r, r + self.world_size * len(part), self.world_size), *trailing)] = part
         return out.to(t.device)

@@ -1,0 +1,102 @@
+"""Loggers: one row per epoch to a CSV file, or scalars to TensorBoard; rank 0 writes.
+
+Both read what the `Recorder` reduced over all ranks, so a log is the same on one
+process and on W (the per-batch losses are the global batch's).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from unison.callbacks.core import Callback
+
+
+class CSVLogger(Callback):
+    """Append `epoch, train_loss, valid_loss, *metrics, time` to `path/fname` after every epoch.
+
+    >>> learn.fit(3, cbs=[CSVLogger("history.csv")])
+    >>> learn.csv_logger.read()[-1]["valid_loss"]     # doctest: +SKIP
+    """
+
+    order = 60  # after the Recorder has this epoch's values
+
+    def __init__(self, fname: str | Path = "history.csv", append: bool = False):
+        self.fname, self.append = Path(fname), append
+
+    @property
+    def file(self) -> Path:
+        return self.fname if self.fname.is_absolute() else self.learn.path / self.fname
+
+    def before_fit(self) -> None:
+        self.learn.csv_logger = self
+        if not self.learn.collective.is_main:
+            return
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.append or not self.file.exists()
+        if fresh:
+            with open(self.file, "w", newline="") as f:
+                csv.writer(f).writerow(self.learn.recorder.metric_names)
+
+    def after_epoch(self) -> None:
+        recorder = self.learn.recorder
+        if not self.learn.collective.is_main or not recorder.values:
+            return
+        row = [self.learn.epoch, *recorder.values[-1], f"{recorder.times[-1]:.3f}"]
+        with open(self.file, "a", newline="") as f:
+            csv.writer(f).writerow(row)
+
+    def read(self) -> list[dict[str, str]]:
+        """The rows written so far, as dicts keyed by column name."""
+        with open(self.file, newline="") as f:
+            return list(csv.DictReader(f))
+
+
+class TensorBoardLogger(Callback):
+    """Write each batch's (global) training loss and LR, and each epoch's values, to TensorBoard.
+
+    Needs the `tensorboard` package (`pip install 'unison[tensorboard]'`).
+
+    >>> learn.fit(3, cbs=[TensorBoardLogger("runs/exp1")])
+    """
+
+    order = 60
+
+    def __init__(self, log_dir: str | Path = "runs"):
+        self.log_dir = Path(log_dir)
+        self.writer: Any = None
+
+    def before_fit(self) -> None:
+        if not self.learn.collective.is_main:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                "TensorBoardLogger needs tensorboard: pip install 'unison[tensorboard]' "
+                "(or pip install tensorboard)"
+            ) from None
+        log_dir = self.log_dir if self.log_dir.is_absolute() else self.learn.path / self.log_dir
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self._logged = len(self.learn.recorder.losses)
+
+    def after_epoch(self) -> None:
+        if self.writer is None:
+            return
+        recorder = self.learn.recorder
+        for step in range(self._logged, len(recorder.losses)):
+            self.writer.add_scalar("train/batch_loss", recorder.losses[step], step)
+            if step < len(recorder.lrs):
+                self.writer.add_scalar("train/lr", recorder.lrs[step], step)
+        self._logged = len(recorder.losses)
+        if recorder.values:
+            names = recorder.metric_names[1:-1]  # without "epoch" and "time"
+            for name, value in zip(names, recorder.values[-1], strict=False):
+                self.writer.add_scalar(f"epoch/{name}", value, self.learn.epoch)
+        self.writer.flush()
+
+    def after_fit(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

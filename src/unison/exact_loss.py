@@ -1,0 +1,134 @@
+"""How the learner reads each batch's loss and divides each optimizer step's gradient exactly.
+
+Every loss is read as a sum and a count (`SummedLoss`): a mean loss is its mean times
+its rows, a model's own Hugging Face loss its mean times the labels it scored. Each
+micro-batch backpropagates `sum / ref`, `ref` a constant the same on every rank (the
+loader's batch size); at the step the gradient, already averaged over ranks by DDP or
+FSDP, is multiplied by `ref * W / N`, N the count over every rank and micro-batch. So W
+processes, and gradient accumulation, give one process's gradient on the global batch.
+For full batches of a mean loss the factor is exactly 1 and no gradient is touched;
+when the count is the batches' rows, N comes from the loader's plan, without a collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from unison.data.batch import batch_size_of
+from unison.data.loader import DistributedDL
+from unison.losses import SummedLoss, TokenCrossEntropy, label_count, own_field, zero_loss
+
+if TYPE_CHECKING:
+    from unison.distributed.collective import Collective
+    from unison.learner import Learner
+
+
+def takes_targets(func: Callable[..., Any] | None) -> bool:
+    """Whether a loss function accepts a second positional argument (targets); `lambda out:
+    out.loss`, for a model that scores itself, does not."""
+    if func is None:
+        return True
+    try:
+        kinds = [p.kind for p in inspect.signature(func).parameters.values()]
+    except (TypeError, ValueError):
+        return True
+    P = inspect.Parameter
+    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return positional > 1 or P.VAR_POSITIONAL in kinds
+
+
+class StepCount:
+    """The loss terms of the optimizer step in progress (see the module's docstring)."""
+
+    def __init__(self, ref: float = 1.0) -> None:
+        self.ref = ref
+        self.local = 0.0
+        self.known: float | None = 0.0  # the global count, while the loader's plan tells it (rows)
+
+    def add(self, count: float, global_count: float | None) -> float:
+        self.local += count
+        self.known = None if self.known is None or global_count is None else self.known + global_count
+        return self.ref
+
+    def factor(self, collective: Collective) -> float:
+        ref, total, known = self.ref, self.local, self.known
+        self.local, self.known = 0.0, 0.0
+        if known is not None:
+            total = known  # every rank's rows are in the plan: no collective needed
+        elif collective.active:
+            total = float(collective.sum(torch.tensor([total], dtype=torch.float64))[0])
+        return ref * collective.world_size / total if total > 0 else 0.0
+
+
+class ExactLoss:
+    """The learner's loss reader and gradient divider.
+
+    >>> exact = ExactLoss()
+    >>> total, count, mean = exact.terms(learn)               # doctest: +SKIP
+    >>> learn.loss_grad = exact.to_backward(learn, total, count, mean)   # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.step = StepCount()
+        # Whether the count is the batch's rows: every rank must take the same view (it decides
+        # whether a collective runs), so an empty share keeps the view of the rank's last batch.
+        self.count_is_rows: bool | None = None
+        self._func: Any = object()
+        self._takes_targets = True
+
+    def start_epoch(self, batch_size: int | None) -> None:
+        self.step = StepCount(float(batch_size or 1))
+
+    def terms(self, learn: Learner) -> tuple[Tensor, float, Tensor | None]:
+        """`(sum, count, mean)` of this batch's loss (`mean` None when only the sum is known)."""
+        func = learn.loss_func
+        if self.count_is_rows is None:  # before any batch: judged from the loss alone
+            self.count_is_rows = func is not None and not isinstance(func, TokenCrossEntropy)
+        if learn._empty_share:  # no rows: a backward pass that adds nothing but runs every hook
+            return zero_loss(learn.pred), 0.0, None
+        if func is None:
+            return self._own_terms(learn)
+        if func is not self._func:  # the loss may be swapped between fits
+            self._func, self._takes_targets = func, takes_targets(func)
+        out = func(learn.pred, *learn.yb) if self._takes_targets else func(learn.pred)
+        if isinstance(out, SummedLoss):
+            self.count_is_rows = False
+            count = out.count
+            return out.total, float(count.item() if isinstance(count, Tensor) else count), None
+        self.count_is_rows = True
+        n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
+        return out * n, n, out
+
+    def _own_terms(self, learn: Learner) -> tuple[Tensor, float, Tensor | None]:
+        """The model's own mean loss, counted over the HF `labels` it scored (not -100)."""
+        mean = own_field(learn.pred, "loss")
+        inputs = learn.xb[0] if len(learn.xb) == 1 and isinstance(learn.xb[0], dict) else {}
+        labels = inputs.get("labels")
+        self.count_is_rows = labels is None
+        count = float(label_count(learn.raw_model, labels) if labels is not None else batch_size_of(learn.xb))
+        if count == 0:  # every label ignored: the model's mean is 0/0
+            return zero_loss(learn.pred), 0.0, None
+        return mean * count, count, mean
+
+    def to_backward(self, learn: Learner, total: Tensor, count: float, mean: Tensor) -> Tensor:
+        """What this micro-batch backpropagates: `total / ref` (a full batch's mean, untouched)."""
+        global_rows = None
+        if self.count_is_rows:
+            dl = learn.dl
+            global_rows = float(dl.global_rows(learn.iter) if isinstance(dl, DistributedDL) else count)
+        ref = self.step.add(count, global_rows)
+        return mean if count == ref else total / ref
+
+    def normalise_grads(self, learn: Learner) -> None:
+        """At the step: the gradient of (sum over every rank and micro-batch) / (their count)."""
+        factor = self.step.factor(learn.collective)
+        if factor == 1.0:
+            return
+        for p in learn.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)

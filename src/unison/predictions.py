@@ -1,0 +1,78 @@
+"""What `Learner.get_preds` and `Learner.predict` need: collect outputs batch by batch, then join
+them in their own structure and put them back in dataset order across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from unison.callbacks.core import Callback
+from unison.data.batch import cat_structured, map_tensors
+
+if TYPE_CHECKING:
+    from unison.distributed.collective import Collective
+
+
+class PredsCollector(Callback):
+    """Keeps each batch's outputs and targets (real rows only: padding never reaches the model
+    or is trimmed before this runs). Runs at `after_pred`, so it needs no loss or targets."""
+
+    order = 100
+
+    def __init__(self, with_loss: bool = False) -> None:
+        self.preds: list[Any] = []
+        self.targets: list[Any] = []
+        self.with_loss = with_loss
+        self.losses: list[Tensor] = []
+
+    def after_pred(self) -> None:
+        learn = self.learn
+        if learn.training:
+            return
+        self.preds.append(map_tensors(Tensor.detach, learn.pred))
+        if learn.yb:
+            self.targets.append(map_tensors(Tensor.detach, learn.yb[0]))
+        if self.with_loss:
+            self.losses.append(per_item_loss(learn.loss_func, learn.pred, *learn.yb).detach())
+
+    def gathered(self, collective: Collective, pad_value: float) -> tuple[Any, Any]:
+        """`(preds, targets)` of every rank, each leaf in dataset order, in the outputs' own structure."""
+
+        def combine(t: Tensor) -> Tensor:
+            return collective.gather_ordered(t, pad_value=pad_value)
+
+        preds = cat_structured(self.preds, pad_value, combine)
+        # Every rank must agree on whether there are targets: an unlabelled loader has none anywhere.
+        has_targets = bool(self.targets) and len(self.targets) == len(self.preds)
+        targets = cat_structured(self.targets, pad_value, combine) if has_targets else None
+        if self.with_loss:
+            return preds, targets, cat_structured(self.losses, pad_value, combine)
+        return preds, targets
+
+
+def check_per_item_loss(loss_func: Any) -> None:
+    """Refuse, before any batch runs, a loss that cannot give one value per item."""
+    if loss_func is None or not hasattr(loss_func, "reduction"):
+        raise ValueError(
+            "get_preds(with_loss=True) needs a loss_func with a `reduction` attribute (torch's losses, "
+            f"e.g. nn.CrossEntropyLoss()) to compute one loss per item; got {loss_func!r}"
+        )
+
+
+def per_item_loss(loss_func: Callable[..., Tensor] | None, pred: Any, *targets: Any) -> Tensor:
+    """`loss_func` unreduced (one value per item, or per token), through its `reduction` attribute
+    as torch's losses have it."""
+    check_per_item_loss(loss_func)
+    saved = loss_func.reduction
+    loss_func.reduction = "none"
+    try:
+        return loss_func(pred, *targets)
+    finally:
+        loss_func.reduction = saved
+
+
+def first_row(out: Any) -> Any:
+    """The single sample of a batch of one, in the output's own structure."""
+    return map_tensors(lambda t: t[0] if t.dim() else t, out)

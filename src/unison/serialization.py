@@ -36,10 +36,14 @@ def storage_bytes(obj: Any) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if storage.data_ptr() not in seen or storage.nbytes() == 0:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
+            try:
+                storage = item.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without one storage
+                key, size = id(item), item.element_size() * item.nelement()
+            if key not in seen or size == 0:
+                seen.add(key)
+                total += size
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):

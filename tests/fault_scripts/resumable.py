@@ -40,6 +40,8 @@ class Fault(Callback):
             if rank_distrib() == args.hang_rank:
                 time.sleep(10_000)
             if rank_distrib() == args.freeze_rank:  # paused, swapped out: every thread stops
+                with open(os.path.join(args.dir, "frozen_at"), "w") as fh:
+                    fh.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from unison.launch.launcher import parse_options, plan_launch
 from unison.launch.rendezvous import check_rdzv_endpoint
-from unison.launch.support import LaunchError
+from unison.launch.support import LaunchError, RankLogsSpecs
 
 PROBE = Path(__file__).resolve().parents[1] / "scripts" / "probe.py"
 
@@ -70,15 +70,15 @@ def test_the_one_machine_rendezvous_file_is_private_to_the_user(tmp_path):
         path.unlink()
 
 
-@pytest.mark.slow
 def test_log_folders_and_files_are_private_to_the_user(tmp_path):
-    logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--log-dir", str(logs), str(PROBE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    attempt = logs / "attempt_0"
-    assert stat.S_IMODE(attempt.stat().st_mode) == 0o700
-    files = sorted(attempt.glob("rank*.log"))
-    assert len(files) == 4  # stdout and stderr of 2 ranks
+    specs = RankLogsSpecs(str(tmp_path / "logs"))
+    envs = {r: {"RANK": str(r), "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
+    dest = specs.reify(envs)  # what torch's agent calls before it starts the workers
+    attempt = tmp_path / "logs" / "attempt_0"
+    assert stat.S_IMODE(attempt.stat().st_mode) == 0o700  # 0755 under the usual umask before
+    files = [Path(f) for f in [*dest.stdouts.values(), *dest.stderrs.values()]]
+    assert sorted(f.name for f in files) == [f"rank{r}.{s}.log" for r in (0, 1) for s in ("stderr", "stdout")]
     assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
-    assert '"RANK": "1"' in (attempt / "rank1.stdout.log").read_text()  # torch wrote into them as they were
+    with open(files[0], "w") as fh:  # torch's agent opens them so: the mode stays
+        fh.write("x")
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600

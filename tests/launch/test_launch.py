@@ -340,9 +340,12 @@ def test_worker_failure_gives_one_summary_and_stops_everyone(tmp_path: Path) -> 
     ]:
         piddir = tmp_path / mode
         piddir.mkdir()
-        rc, out, err, secs = run([*LAUNCH, "--nproc", "2", fail, mode, str(piddir)])
+        rc, out, err, _ = run([*LAUNCH, "--nproc", "2", fail, mode, str(piddir)])
+        # Timed from the failure (rank 1 fails right after both pid files exist), not from the
+        # start: start-up under a loaded machine is not the fault path.
+        stopped_after = time.time() - max(p.stat().st_mtime for p in piddir.glob("pid*"))
         assert rc == status, err
-        assert secs < 10, f"{mode}: the job took {secs:.1f}s to stop"
+        assert stopped_after < 10, f"{mode}: the job took {stopped_after:.1f}s to stop after the failure"
         summary = err[err.index("unison launch: rank") :]
         assert err.count("unison launch: rank") == 1, err  # ONE summary
         assert summary.startswith(f"unison launch: rank 1 failed ({how})"), summary

@@ -48,7 +48,8 @@ def main_worker(gpu, ngpus_per_node, out_dir):
 
 def test_mp_spawn_runs_seed003_workers_with_the_index_first(tmp_path):
     assert inspect.signature(mp_spawn).parameters.keys() == inspect.signature(mp.spawn).parameters.keys()
-    weights = mp_spawn(main_worker, nprocs=2, args=(2, str(tmp_path)), start_method="fork")  # (faster)
+    # spawn, not fork: forking a pytest process that has run OpenMP and gloo threads can deadlock.
+    weights = mp_spawn(main_worker, nprocs=2, args=(2, str(tmp_path)), start_method="spawn")
     lines = sorted(p.read_text() for p in tmp_path.iterdir())
     assert lines == ["0 0 0", "1 1 1"]  # index first; it is the group rank and unison's RANK
     torch.manual_seed(0)

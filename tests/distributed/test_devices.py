@@ -143,7 +143,31 @@ def test_resume_on_a_model_off_the_cpu_restores_the_rng(tmp_path):
     assert {p.device for p in resumed.model.parameters()} == {META}  # weights copied to the model's device
 
 
-# ---- item 1: the fork path must not initialise CUDA in the parent ----------------------------------
+# ---- item 1 and 12: spawn's fork path must not initialise CUDA in the parent; results come back on CPU
+@pytest.mark.slow
+def test_fork_spawn_asks_nvml_and_leaves_cuda_uninitialised(monkeypatch):
+    from unison.launch.spawn import spawn
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+
+    def probe():  # a closure: forked, like a notebook's function
+        import os
+
+        return os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), torch.cuda.is_initialized(), torch.ones(2)
+
+    nvml, child_initialised, tensor = spawn(probe, 2, start_method="fork")
+    assert nvml == "1" and not child_initialised  # torch's launcher answered is_available() by NVML
+    assert torch.equal(tensor, torch.ones(2)) and tensor.device == CPU
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in __import__("os").environ  # put back in the parent
+    assert not torch.cuda.is_initialized()
+
+
+def test_results_are_moved_to_the_cpu_through_containers():
+    moved = to_cpu({"a": [torch.ones(1), (torch.zeros(2), 3)], "b": "x"})
+    assert moved["a"][0].device == CPU and moved["a"][1][0].device == CPU
+    assert moved["a"][1][1] == 3 and moved["b"] == "x"
+
+
 def test_nvml_check_is_on_inside_the_block_and_put_back(monkeypatch):
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     with cuda_check_without_init():

@@ -177,3 +177,32 @@ def test_nvml_check_is_on_inside_the_block_and_put_back(monkeypatch):
         torch.cuda.is_available()
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
     assert not torch.cuda.is_initialized()
+
+
+# ---- item 6: DataParallel replicas keep the caller's autocast dtype ---------------------------------
+def _in_replica_thread(module, x):
+    """What torch's parallel_apply does in each replica's thread: autocast re-entered with no dtype."""
+    import threading
+
+    box = {}
+
+    def run():
+        with torch.autocast("cpu", enabled=True):
+            box["out"] = module(x)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return box["out"]
+
+
+def test_replicas_run_under_the_callers_autocast_dtype():
+    from unison.distributed.trainer import AutocastReplica
+
+    layer, x = nn.Linear(4, 2), torch.randn(3, 4)
+    # CPU stands in for CUDA (whose default is fp16): a fresh thread's autocast takes the default
+    # dtype, not the one the caller asked for.
+    assert _in_replica_thread(layer, x).dtype == torch.get_autocast_dtype("cpu") == torch.bfloat16
+    out = _in_replica_thread(AutocastReplica(layer, "cpu", torch.float16), x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), layer(x), atol=1e-2, rtol=1e-2)

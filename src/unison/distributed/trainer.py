@@ -36,8 +36,29 @@ from unison.distributed.watchdog import RankStalledError, Watchdog
 GLOO_BUCKET_CAP_MB = 100
 
 
+class AutocastReplica(nn.Module):
+    """Runs `module` under autocast of `dtype`: autocast's dtype is per thread, and torch's
+    `parallel_apply` re-enters autocast in each replica's thread without one (so fp16, unscaled)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
 class DataParallel(nn.DataParallel):
-    """torch's `DataParallel`, plus `reset()` for stateful models (RNNs)."""
+    """torch's `DataParallel`, plus `reset()` for stateful models (RNNs), and replicas that keep
+    the caller's autocast dtype (`MixedPrecision("bf16")`)."""
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        device_type = self.src_device_obj.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [AutocastReplica(replica, device_type, dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
     def reset(self) -> None:
         """Call the wrapped model's `reset()`, where it has one."""

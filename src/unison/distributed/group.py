@@ -27,6 +27,8 @@ T = TypeVar("T")
 #: Seconds a collective may wait for the other ranks before failing (torch's default is 1800).
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "UNISON_TIMEOUT"
+#: Extra seconds an NCCL group waits beyond the timeout, for unison's stall diagnosis to come first.
+NCCL_MARGIN_S = 30.0
 
 _created_here = False
 _generation = 0
@@ -117,6 +119,12 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     if cuda and gpu is None:
         torch.cuda.set_device(check_local_rank(env.local_rank, torch.cuda.device_count()))
     wait = datetime.timedelta(seconds=resolve_timeout(timeout))
+    if cuda:
+        # NCCL times out in its own watchdog thread, which aborts the process: give unison's
+        # heartbeat watchdog (it fires after `timeout` without progress) the time to name the
+        # missing rank first; and tear the process down rather than hang if it cannot.
+        wait += datetime.timedelta(seconds=max(NCCL_MARGIN_S, 0.25 * wait.total_seconds()))
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _generation += 1
     # Keys unique to this group: the store may outlive it (a second distrib_ctx here, or an
     # elastic restart sharing torch's agent store, where _generation starts again at 1).

@@ -150,7 +150,7 @@ class DistributedTrainer(Callback):
         learn.data_seed = collective.broadcast_object(learn.data_seed)
         # monitored_barrier names the ranks that miss it, but exists only on gloo.
         self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.watchdog = Watchdog(resolve_timeout(self.timeout))
+        self.watchdog = Watchdog(resolve_timeout(self.timeout), exit_on_stall=dist.get_backend() == "nccl")
         self.watchdog.start()
 
     def _device(self) -> torch.device:

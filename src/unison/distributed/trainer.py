@@ -276,7 +276,8 @@ class ParallelTrainer(Callback):
             warnings.warn("to_parallel: no CUDA device, training on one CPU process as before", stacklevel=3)
             return
         ids = self.device_ids if self.device_ids is not None else list(range(torch.cuda.device_count()))
-        learn.model = DataParallel(learn.model.to(torch.device("cuda", ids[0])), device_ids=ids)
+        place_training_state(learn.model, learn.opt, learn.loss_func, torch.device("cuda", ids[0]))
+        learn.model = DataParallel(learn.model, device_ids=ids)
 
     def restore(self) -> None:
         self.learn.model = self._original_model

@@ -38,7 +38,7 @@ def _data():
     return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:])
 
 
-def _learner(bs, path=".", cbs=(), dropout=0.0, loss=None):
+def _learner(bs, path=".", cbs=(), dropout=0.0, loss=None, sgd=False):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader
@@ -52,7 +52,10 @@ def _learner(bs, path=".", cbs=(), dropout=0.0, loss=None):
         nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 2)
     )
     loss = loss if loss is not None else nn.CrossEntropyLoss()
-    return Learner(dls, model, loss, opt_func=torch.optim.AdamW, lr=1e-2, path=path, cbs=list(cbs))
+    # Parity rows use SGD: Adam divides by the gradients' size, so where one is ~0 the last-bit
+    # differences of a sum taken in another order (2 ranks vs 1) grow to 1e-2 (seen on CPU too).
+    opt = (lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)) if sgd else torch.optim.AdamW
+    return Learner(dls, model, loss, opt_func=opt, lr=1e-2, path=path, cbs=list(cbs))
 
 
 def _quiet():
@@ -81,15 +84,17 @@ def case_ddp_syncbn(args):
     import torch
     import torch.distributed as dist
 
+    from unison.distributed import SyncBatchNorm
+
     seen = {}
-    multi = _learner(bs=8)
+    multi = _learner(bs=8, sgd=True)
     with _quiet(), multi.distrib_ctx(sync_bn=True):
         seen["backend"] = dist.get_backend()
-        seen["sync_bn"] = isinstance(multi.model.module[1], torch.nn.SyncBatchNorm)
+        seen["sync_bn"] = isinstance(multi.model.module[1], SyncBatchNorm)
         seen["device"] = str(multi.device)
         multi.fit(2)
         devices = _gather(torch.cuda.current_device())
-    single = _learner(bs=8 * len(devices))
+    single = _learner(bs=8 * len(devices), sgd=True)
     single.model.cuda()
     with _quiet():
         single.fit(2)
@@ -234,11 +239,11 @@ def case_to_parallel(args):
 
     from unison import MixedPrecision
 
-    single = _learner(bs=16)
+    single = _learner(bs=16, sgd=True)
     single.model.cuda()
     with _quiet():
         single.fit(1)
-    dp = _learner(bs=16)
+    dp = _learner(bs=16, sgd=True)
     with _quiet(), dp.parallel_ctx([0, 1]):
         dp.fit(1)
     diff = _max_diff(_state(single), _state(dp))
@@ -256,6 +261,32 @@ def case_to_parallel(args):
         bf.fit(1)
     ok = diff < 1e-4 and dtypes == {torch.bfloat16}
     return ok, f"max diff to one GPU {diff:.1e}, replica autocast dtypes {sorted(map(str, dtypes))}"
+
+
+def case_rollback(args):
+    """A refused setup (each rank holding other data) leaves the model, its optimizer state and the
+    loss's weight on the CPU, where they were."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from unison import DataLoaders
+
+    learn = _learner(bs=8, loss=nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0])))
+    with _quiet():
+        learn.fit(1)
+    rank = int(os.environ["RANK"])
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(rank))  # not the same on every rank
+    learn.dls = DataLoaders(DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8))
+    try:
+        with learn.distrib_ctx():
+            refused = False
+    except ValueError:
+        refused = True
+    places = {str(learn.device), str(learn.loss_func.weight.device)}
+    places |= {str(v.device) for s in learn.opt.state.values() for v in s.values()}
+    ok = refused and places == {"cpu"}
+    return ok, f"refused {refused}, model / optimizer state / loss weight on {sorted(places)}"
 
 
 class _Probe:
@@ -278,6 +309,7 @@ CASES = {
     "preds_save_load": case_preds_save_load,
     "stall": case_stall,
     "to_parallel": case_to_parallel,
+    "rollback": case_rollback,
 }
 
 
@@ -406,6 +438,7 @@ def driver(only: set[str] | None) -> int:
         ("fork_spawn", 2, "unison.spawn of a notebook function (fork)"),
         ("to_parallel", 2, "to_parallel = one GPU; bf16 replicas"),
         ("preds_save_load", 2, "get_preds / save / load on 2 GPUs"),
+        ("rollback", 2, "a refused distrib_ctx leaves everything on the CPU"),
         ("stall", 2, "a hung rank is named (NCCL)"),
     ]
     results = []

@@ -58,10 +58,21 @@ def test_cuda_id_wins_and_gloo_or_no_gpu_keeps_the_model_where_it_is():
 
 
 def test_more_local_ranks_than_gpus_is_refused_naming_the_mapping(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # SLURM --gpus-per-task=1 shows each task one GPU
-    with pytest.raises(RuntimeError, match=r"local rank 1 needs GPU 1 but this process sees 1 GPU.*'1'"):
-        pick_device("nccl", None, 1, 1, CPU)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RuntimeError, match=r"local rank 2 needs GPU 2 but this process sees 2 GPU"):
+        pick_device("nccl", None, 2, 2, CPU)  # --nproc 4 on a 2-GPU machine: not all on cuda:0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with pytest.raises(RuntimeError, match=r"sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES='3,5'\)"):
+        check_local_rank(2, 2)
     assert check_local_rank(0, 1) == 0
+
+
+def test_a_process_given_its_own_gpu_uses_it(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # SLURM --gpus-per-task=1: local rank 1 sees GPU 5 alone
+    assert pick_device("nccl", None, 1, 1, CPU) == torch.device("cuda", 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # --nproc 2 on a one-GPU machine: refused
+    with pytest.raises(RuntimeError, match="local rank 1 needs GPU 1"):
+        pick_device("nccl", None, 1, 1, CPU)
 
 
 def test_backend_choice(monkeypatch):
@@ -109,11 +120,23 @@ def test_bce_pos_weight_moves_too():
     assert loss.pos_weight.device == META
 
 
-def test_refused_setup_puts_the_model_back_where_it_was(tmp_path):
+def test_a_bad_backend_is_refused_and_nothing_changes(tmp_path):
+    from unison.distributed.trainer import DistributedTrainer
+
     learn = _learner(tmp_path)
     with pytest.raises(ValueError, match="backend must be one of"):
         learn.to_distributed(backend="mpi")
-    assert learn.device == CPU and learn.get_cb(type(learn.cbs[0])) is not None
+    assert learn.device == CPU and learn.get_cb(DistributedTrainer) is None
+
+
+def test_resumed_cpu_losses_stack_with_new_ones_on_the_model_device():
+    from unison.callbacks.recorder import _stack_on_last_device
+
+    losses = [torch.tensor(1.0), torch.tensor(2.0, device=META)]  # resumed on the CPU, then a "GPU" one
+    assert _stack_on_last_device(losses).device == META
+    assert torch.equal(
+        _stack_on_last_device([torch.tensor(1.0), torch.tensor(2.5)]), torch.tensor([1.0, 2.5])
+    )
 
 
 # ---- item 2: resume where the checkpoint's tensors were mapped to the model's device ---------------

@@ -41,18 +41,24 @@ def resolve_backend(backend: str | None = None, cuda: bool | None = None) -> str
 
 
 def check_local_rank(local_rank: int, device_count: int) -> int:
-    """The CUDA index for `local_rank`, or a clear error when this machine shows too few GPUs.
+    """The CUDA index for `local_rank`, or a clear error when this process sees too few GPUs.
+
+    A process shown exactly one GPU by its own `CUDA_VISIBLE_DEVICES` uses that one.
 
     >>> check_local_rank(1, 2)
     1
     """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if local_rank >= device_count == 1 and visible is not None and len(visible.split(",")) == 1:
+        # Each process was given its own GPU (SLURM --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES):
+        # its only one. (Two processes given the same one: NCCL refuses with "Duplicate GPU detected".)
+        return 0
     if local_rank >= device_count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         raise RuntimeError(
             f"local rank {local_rank} needs GPU {local_rank} but this process sees {device_count} GPU(s)"
             f"{shown}: start at most {device_count} processes per machine (--nproc / --gpus), give each "
-            "task all the node's GPUs (SLURM: --gpus-per-node rather than --gpus-per-task=1), or pass "
+            "process its own GPU or all of them (SLURM: --gpus-per-task=1 or --gpus-per-node), or pass "
             "backend='gloo' to train on the CPU"
         )
     return local_rank

@@ -157,14 +157,13 @@ class DistributedTrainer(Callback):
         # Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
         # place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
         force_cpu = (self.backend or os.environ.get(BACKEND_ENV)) == "gloo"
-        return pick_device(
-            dist.get_backend() if group_active() else None,
-            self.cuda_id,
-            int(os.environ.get("LOCAL_RANK", "0")),
-            torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            self.learn.device,
-            force_cpu=force_cpu,
-        )
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # Launched: the local rank's GPU. A script's own processes without LOCAL_RANK (torch's
+        # mp.spawn): the GPU it bound with set_device.
+        raw = os.environ.get("LOCAL_RANK")
+        local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
+        backend = dist.get_backend() if group_active() else None
+        return pick_device(backend, self.cuda_id, local_rank, n_gpus, self.learn.device, force_cpu=force_cpu)
 
     def _check_loaders_agree(self, collective: Collective) -> None:
         """Every rank must hold the same data: a loader of different length would desynchronise them,

@@ -644,15 +644,18 @@ class Learner:
         cuda_id: int | None = None,
         sync_bn: bool = True,
         timeout: float | None = None,
+        backend: str | None = None,
         **ddp_kwargs: Any,
     ) -> Learner:
         """Train data-parallel across the processes of a launch (joins or makes the process group).
+
+        `backend="gloo"` trains on the CPU even where CUDA is available.
 
         >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
         """
         from unison.distributed.trainer import DistributedTrainer
 
-        trainer = DistributedTrainer(cuda_id, sync_bn=sync_bn, timeout=timeout, **ddp_kwargs)
+        trainer = DistributedTrainer(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
         self.add_cb(trainer)
         try:
             trainer.setup()
@@ -676,6 +679,7 @@ class Learner:
         cuda_id: int | None = None,
         sync_bn: bool = True,
         timeout: float | None = None,
+        backend: str | None = None,
         **ddp_kwargs: Any,
     ) -> Iterator[Learner]:
         """`to_distributed` for the duration of a `with` block; a plain run outside a launch.
@@ -685,7 +689,7 @@ class Learner:
         """
         from unison.distributed.trainer import DistributedTrainer
 
-        self.to_distributed(cuda_id, sync_bn=sync_bn, timeout=timeout, **ddp_kwargs)
+        self.to_distributed(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
         try:
             yield self
         except Exception as exc:

@@ -324,7 +324,6 @@ def roc_auc(scores: Tensor, target: Tensor) -> float:
     order = torch.argsort(scores)
     sorted_scores = scores[order]
     ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=scores.dtype)
     uniq, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
     ends = torch.cumsum(counts, 0).double()
     avg_rank = ends - (counts.double() - 1) / 2

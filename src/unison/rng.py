@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """Seed Python's, NumPy's and torch's generators (all CUDA devices too) on this process.
 
-    `deterministic=True` also asks torch for deterministic kernels (slower on GPU).
+    `deterministic=True` also asks torch for deterministic kernels (slower on GPU) and sets
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8` (cuBLAS needs it, set before its first call, for
+    deterministic matmuls on CUDA >= 10.2). Some CUDA ops have no deterministic kernel
+    (`index_add_` backward, `scatter_add_` on some dtypes, `ctc_loss` backward...): they then raise
+    a RuntimeError naming the op; pass `torch.use_deterministic_algorithms(True, warn_only=True)`
+    yourself to only be warned.
 
     >>> set_seed(42); a = torch.rand(1); set_seed(42); bool(a == torch.rand(1))
     True
@@ -23,6 +31,7 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
+        os.environ.setdefault(CUBLAS_ENV, ":4096:8")  # a user's own choice (":16:8") is kept
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 
@@ -42,11 +51,21 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `get_rng_state` returned."""
+    """Restore what `get_rng_state` returned, wherever its tensors were loaded (a checkpoint mapped
+    to a GPU included: torch takes generator states as CPU byte tensors only).
+
+    Where this process sees fewer GPUs than the one that saved, the first ones are restored.
+    """
     py_version, py_state, py_gauss = state["python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
-    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
-    torch.set_rng_state(state["torch"])
+    np_keys = np_keys.cpu().numpy().astype(np.uint32)
+    np.random.set_state((np_name, np_keys, np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(_cpu_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_cpu_bytes(cuda_state), index)
+
+
+def _cpu_bytes(state: torch.Tensor) -> torch.Tensor:
+    return state.to(device="cpu", dtype=torch.uint8)

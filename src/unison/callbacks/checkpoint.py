@@ -122,7 +122,9 @@ class Checkpoint(Callback):
             remove_stale_temps(self.file)
         if not self.file.exists():
             return False
-        state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
+        # Loaded to the CPU, as Lightning does: generator states must be CPU byte tensors, and the
+        # recorder's sums mix with CPU ones; the model and optimizer copy theirs to their own device.
+        state = safe_load(self.file, map_location="cpu", kind="checkpoint")
         check_state_fits(learn.raw_model, state["model"], self.file)
         global_batch = self._global_batch()
         samples = state["samples_done"]

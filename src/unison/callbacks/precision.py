@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 
 from unison.callbacks.core import Callback
+from unison.distributed.devices import bf16_supported
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -47,6 +49,12 @@ class MixedPrecision(Callback):
             raise ValueError(
                 f"MixedPrecision('fp16') needs the model on a CUDA device, it is on {device}: "
                 "use MixedPrecision('bf16') on CPU"
+            )
+        if self.dtype is torch.bfloat16 and device.type == "cuda" and not bf16_supported():
+            warnings.warn(
+                f"MixedPrecision('bf16'): {torch.cuda.get_device_name(device)} has no native bfloat16 "
+                "(it needs an Ampere GPU or later) and emulates it slowly: use MixedPrecision('fp16')",
+                stacklevel=2,
             )
         if self.dtype is torch.float16 and self.learn.scaler is None:
             self.learn.scaler = torch.amp.GradScaler("cuda")

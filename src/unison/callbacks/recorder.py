@@ -132,7 +132,7 @@ class Recorder(Callback):
         """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far."""
         total, count = self._carry
         if self._batch_losses:
-            losses = torch.stack(self._batch_losses).float()
+            losses = _stack_on_last_device(self._batch_losses)
             sizes = torch.tensor(self._batch_sizes, dtype=losses.dtype, device=losses.device)
             total = total.to(losses.device) + (losses * sizes).sum()
             count = count + sum(self._batch_sizes)
@@ -202,7 +202,9 @@ class Recorder(Callback):
     def partial_state(self) -> dict[str, Any]:
         """Every rank's training losses and batch sizes of the epoch in progress (a collective)."""
         own = {
-            "losses": torch.stack(self._batch_losses).float().cpu() if self._batch_losses else torch.zeros(0),
+            "losses": _stack_on_last_device(self._batch_losses).cpu()
+            if self._batch_losses
+            else torch.zeros(0),
             "sizes": torch.tensor(self._batch_sizes, dtype=torch.float64),
             "carry": torch.stack([self._carry[0].float().cpu(), self._carry[1].float().cpu()]),
         }
@@ -281,3 +283,10 @@ def _progress_class() -> type[Callback]:
     from unison.callbacks.progress import ProgressCallback
 
     return ProgressCallback
+
+
+def _stack_on_last_device(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The losses as one float tensor: those resumed from a checkpoint are on the CPU, the new
+    ones on the model's device (a GPU), so all go where the newest is."""
+    device = losses[-1].device
+    return torch.stack([loss.to(device) for loss in losses]).float()

@@ -219,8 +219,10 @@ class DistributedDL:
         has_gen = hasattr(sampler, "generator")
         saved = sampler.generator if has_gen else None
         # Samplers draw from their own generator or else from the global RNG: pin both, restore both.
+        # Only the CPU generator: torch.manual_seed would also seed every GPU's (which fork_rng(devices=[])
+        # does not restore), so GPU dropout would draw the same numbers on every rank.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mixed)
+            torch.default_generator.manual_seed(mixed)
             try:
                 if has_gen:
                     sampler.generator = torch.Generator().manual_seed(mixed)

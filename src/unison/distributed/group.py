@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from unison.distributed.devices import check_local_rank, resolve_backend
 from unison.distributed.env import DistribEnv, group_active
 
 T = TypeVar("T")
@@ -26,6 +27,8 @@ T = TypeVar("T")
 #: Seconds a collective may wait for the other ranks before failing (torch's default is 1800).
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "UNISON_TIMEOUT"
+#: Extra seconds an NCCL group waits beyond the timeout, for unison's stall diagnosis to come first.
+NCCL_MARGIN_S = 30.0
 
 _created_here = False
 _generation = 0
@@ -87,7 +90,8 @@ def _loopback_listener(env: DistribEnv) -> int | None:
 def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend: str | None = None) -> bool:
     """Join the process group the environment describes; return True if this call created it.
 
-    gloo without CUDA, NCCL with it (binding `gpu`, default the local rank). False when the
+    gloo without CUDA, NCCL with it (binding `gpu`, default the local rank); `backend="gloo"` or
+    `$UNISON_BACKEND=gloo` trains on the CPU of a GPU machine. False when the
     process was not launched, or when a group already exists (whoever made it): then a
     `timeout` given here or by `unison launch --timeout` is applied to that group.
 
@@ -95,12 +99,15 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     True
     """
     global _created_here, _generation
-    cuda = torch.cuda.is_available()
-    if gpu is not None and cuda:
-        torch.cuda.set_device(gpu)
     if group_active():
         _bound_live_group(timeout)
+        if gpu is not None and dist.get_backend() == "nccl":
+            torch.cuda.set_device(gpu)
         return False
+    backend = resolve_backend(backend)  # `backend="gloo"` / `$UNISON_BACKEND`: the CPU on a GPU machine
+    cuda = backend == "nccl"
+    if gpu is not None and cuda:
+        torch.cuda.set_device(gpu)
     env = DistribEnv.from_environ()
     if env.world_size == 1 and env.master_port is None:
         return False  # not launched: one plain process
@@ -110,9 +117,14 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
             "are not set: export them (e.g. the first host of the job) or use unison launch"
         )
     if cuda and gpu is None:
-        torch.cuda.set_device(env.local_rank)
-    backend = backend or ("nccl" if cuda else "gloo")
+        torch.cuda.set_device(check_local_rank(env.local_rank, torch.cuda.device_count()))
     wait = datetime.timedelta(seconds=resolve_timeout(timeout))
+    if cuda:
+        # NCCL times out in its own watchdog thread, which aborts the process: give unison's
+        # heartbeat watchdog (it fires after `timeout` without progress) the time to name the
+        # missing rank first; and tear the process down rather than hang if it cannot.
+        wait += datetime.timedelta(seconds=max(NCCL_MARGIN_S, 0.25 * wait.total_seconds()))
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _generation += 1
     # Keys unique to this group: the store may outlive it (a second distrib_ctx here, or an
     # elastic restart sharing torch's agent store, where _generation starts again at 1).

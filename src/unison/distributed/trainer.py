@@ -10,6 +10,7 @@ accumulation micro-steps; then undo all of it on `restore()`.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,6 +23,7 @@ from torch import nn
 from unison.callbacks.core import Callback
 from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
 from unison.distributed.collective import Collective
+from unison.distributed.devices import BACKEND_ENV, pick_device, place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.group import resolve_timeout, setup_distrib, teardown_distrib
 from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
@@ -34,8 +36,29 @@ from unison.distributed.watchdog import RankStalledError, Watchdog
 GLOO_BUCKET_CAP_MB = 100
 
 
+class AutocastReplica(nn.Module):
+    """Runs `module` under autocast of `dtype`: autocast's dtype is per thread, and torch's
+    `parallel_apply` re-enters autocast in each replica's thread without one (so fp16, unscaled)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
 class DataParallel(nn.DataParallel):
-    """torch's `DataParallel`, plus `reset()` for stateful models (RNNs)."""
+    """torch's `DataParallel`, plus `reset()` for stateful models (RNNs), and replicas that keep
+    the caller's autocast dtype (`MixedPrecision("bf16")`)."""
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        device_type = self.src_device_obj.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [AutocastReplica(replica, device_type, dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
     def reset(self) -> None:
         """Call the wrapped model's `reset()`, where it has one."""
@@ -72,9 +95,11 @@ class DistributedTrainer(Callback):
         sync_bn: bool = True,
         timeout: float | None = None,
         check_data: bool = True,
+        backend: str | None = None,
         **ddp_kwargs: Any,
     ):
         self.cuda_id, self.sync_bn, self.timeout, self.ddp_kwargs = cuda_id, sync_bn, timeout, ddp_kwargs
+        self.backend = backend  # "gloo": train on the CPU even where CUDA is available
         self.check_data = check_data  # False: ranks may hold different data on purpose (same lengths)
         self.created_group = False
         self.active = False
@@ -85,26 +110,30 @@ class DistributedTrainer(Callback):
 
     def setup(self) -> None:
         learn = self.learn
-        self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout)
+        self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout, backend=self.backend)
         self._original_model = learn.model
         self._original_collective = learn.collective
+        self._original_device = learn.device
         self._converted = False
-        if not group_active() or dist.get_world_size() == 1:
-            return  # one process: nothing to synchronise
         try:
-            self._wrap()
+            device = self._device()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # (a user's NCCL group made without set_device: not cuda:0)
+            # Moved even on one process (`--gpus 1`): the model, its optimizer state and the loss's buffers.
+            place_training_state(learn.model, learn.opt, learn.loss_func, device)
+            if group_active() and dist.get_world_size() > 1:
+                self._wrap(device)
+                self.active = True
         except BaseException:
             self.restore()  # a refused setup leaves the learner exactly as it was
+            if learn.device != self._original_device:
+                place_training_state(learn.model, learn.opt, learn.loss_func, self._original_device)
             raise
-        self.active = True
 
-    def _wrap(self) -> None:
+    def _wrap(self, device: torch.device) -> None:
         learn = self.learn
-        device = self._device()
         collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
         self._check_loaders_agree(collective)
-        if device.type == "cuda":
-            learn.model.to(device)
         model = learn.model
         if self.sync_bn:
             model = convert_sync_batchnorm(model)
@@ -121,15 +150,20 @@ class DistributedTrainer(Callback):
         learn.data_seed = collective.broadcast_object(learn.data_seed)
         # monitored_barrier names the ranks that miss it, but exists only on gloo.
         self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.watchdog = Watchdog(resolve_timeout(self.timeout))
+        self.watchdog = Watchdog(resolve_timeout(self.timeout), exit_on_stall=dist.get_backend() == "nccl")
         self.watchdog.start()
 
     def _device(self) -> torch.device:
         # Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
-        # place: it trains on the CPU, as `setup_distrib` binds no GPU.
-        if dist.get_backend() == "nccl" or (self.cuda_id is not None and torch.cuda.is_available()):
-            return torch.device("cuda", torch.cuda.current_device() if self.cuda_id is None else self.cuda_id)
-        return self.learn.device
+        # place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
+        force_cpu = (self.backend or os.environ.get(BACKEND_ENV)) == "gloo"
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # Launched: the local rank's GPU. A script's own processes without LOCAL_RANK (torch's
+        # mp.spawn): the GPU it bound with set_device.
+        raw = os.environ.get("LOCAL_RANK")
+        local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
+        backend = dist.get_backend() if group_active() else None
+        return pick_device(backend, self.cuda_id, local_rank, n_gpus, self.learn.device, force_cpu=force_cpu)
 
     def _check_loaders_agree(self, collective: Collective) -> None:
         """Every rank must hold the same data: a loader of different length would desynchronise them,
@@ -241,7 +275,8 @@ class ParallelTrainer(Callback):
             warnings.warn("to_parallel: no CUDA device, training on one CPU process as before", stacklevel=3)
             return
         ids = self.device_ids if self.device_ids is not None else list(range(torch.cuda.device_count()))
-        learn.model = DataParallel(learn.model.to(torch.device("cuda", ids[0])), device_ids=ids)
+        place_training_state(learn.model, learn.opt, learn.loss_func, torch.device("cuda", ids[0]))
+        learn.model = DataParallel(learn.model, device_ids=ids)
 
     def restore(self) -> None:
         self.learn.model = self._original_model

@@ -17,6 +17,7 @@ that does not say who is missing. The `Watchdog` makes that failure useful:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import os
@@ -63,8 +64,11 @@ class Watchdog:
     >>> dog.diagnose()                   # after a collective failed: who stopped?
     """
 
-    def __init__(self, timeout: float, interval: float = 1.0):
+    def __init__(self, timeout: float, interval: float = 1.0, exit_on_stall: bool = False):
         self.timeout, self.interval = timeout, interval
+        # NCCL: a timed-out collective never raises in Python (torch's NCCL watchdog aborts the
+        # process), so this thread names the missing rank itself and ends the process first.
+        self.exit_on_stall = exit_on_stall
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # (epoch, phase: 0 train / 1 valid, batch, stage: 0 started / 1 in backward / 2 stepped)
         self._progress: tuple[int, int, int, int] = (0, 0, -1, 0)
@@ -136,6 +140,8 @@ class Watchdog:
                 # Stuck for a whole timeout: show where, in this rank's own log.
                 self._dump_stacks(now - since)
                 dumped = True
+                if self.exit_on_stall:
+                    self._exit_if_another_stalled()
             if self._store is not None:
                 beat = json.dumps({"t": time.time(), "at": list(last), "pid": os.getpid()})
                 try:
@@ -143,6 +149,16 @@ class Watchdog:
                 except Exception:
                     self._store = None  # the store is gone: the job is ending
             self._stop.wait(self.interval)
+
+    def _exit_if_another_stalled(self) -> None:
+        """Name the rank that stopped and end this process (exit code 1), before NCCL's watchdog
+        aborts it without a word; the stalled rank itself waits to be stopped by the launcher."""
+        found = self.diagnose()
+        if found is None or found.rank == self.rank:
+            return
+        with contextlib.suppress(Exception):
+            print(f"[unison] rank {self.rank}: RankStalledError: {found}", file=sys.__stderr__, flush=True)
+        os._exit(1)
 
     def _dump_stacks(self, stuck_s: float) -> None:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
 
@@ -83,7 +84,8 @@ def spawn(
         raise ValueError(f"spawn: start_method must be one of {START_METHODS} or None, got {start_method!r}")
     args, kwargs = tuple(args), dict(kwargs or {})
     method = start_method or _auto_start_method(fn, args, kwargs)
-    if method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # (is_initialized alone: torch.cuda.is_available() would itself initialise CUDA before the fork.)
+    if method == "fork" and torch.cuda.is_initialized():
         raise RuntimeError(
             "spawn: CUDA is already initialised in this process and forked workers cannot use it; call "
             "spawn before any CUDA work (restart the kernel), or define fn in a module and use "
@@ -95,24 +97,28 @@ def spawn(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=f"unison-spawn-{uuid.uuid4().hex}",
-        # The agent rendezvous through a file (no socket, nothing a spawn picks can clash with);
-        # workers get MASTER_ADDR 127.0.0.1, where rank 0 hosts their store on loopback only.
-        rdzv_backend="c10d",
-        rdzv_endpoint=os.path.join(log_dir, "rendezvous"),
-        rdzv_configs={"store_type": "file"},
-        local_addr="127.0.0.1",
-        max_restarts=max_restarts,
-        start_method=method,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
-    )
+    # Forking: torch's launcher asks torch.cuda.is_available() (LaunchConfig, the agent), which
+    # initialises CUDA unless answered by NVML; the children could not use their GPUs then.
+    fork_safe = cuda_check_without_init if method == "fork" else contextlib.nullcontext
+    with fork_safe():
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=f"unison-spawn-{uuid.uuid4().hex}",
+            # The agent rendezvous through a file (no socket, nothing a spawn picks can clash with);
+            # workers get MASTER_ADDR 127.0.0.1, where rank 0 hosts their store on loopback only.
+            rdzv_backend="c10d",
+            rdzv_endpoint=os.path.join(log_dir, "rendezvous"),
+            rdzv_configs={"store_type": "file"},
+            local_addr="127.0.0.1",
+            max_restarts=max_restarts,
+            start_method=method,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
+        )
     try:
-        with _agent_state():
+        with _agent_state(), fork_safe():
             run = elastic_launch(config, _worker)
             results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
     except ChildFailedError as exc:
@@ -252,6 +258,8 @@ def _worker(
         result = call()
     if os.environ.get("RANK") != "0":
         return None  # only rank 0's result is sent back
+    # CUDA tensors would travel as IPC handles into memory of a process that is about to exit.
+    result = to_cpu(result)
     try:
         _check_picklable(result, fresh_interpreter=False)
     except Exception as exc:

@@ -432,8 +432,8 @@ class Learner:
             return dl
         world = self.collective.world_size
         streaming = isinstance(dl.dataset, IterableDataset)
-        if world == 1 and not streaming and dl.batch_size is None:
-            return dl  # one process: a loader we cannot re-order is used as it is
+        if world == 1 and not streaming and dl.batch_size is None and dl.batch_sampler is None:
+            return dl  # one process, no batching: used as it is
         key = (id(dl), pad)
         if key not in self._sharded or self._sharded[key][0] is not dl:
             rank = self.collective.rank

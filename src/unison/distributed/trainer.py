@@ -21,6 +21,7 @@ from torch import nn
 
 from unison.callbacks.core import Callback
 from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
+from unison.data.loader import shard_problem
 from unison.distributed.collective import Collective
 from unison.distributed.env import group_active
 from unison.distributed.group import resolve_timeout, setup_distrib, teardown_distrib
@@ -102,6 +103,7 @@ class DistributedTrainer(Callback):
         learn = self.learn
         device = self._device()
         collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
+        self._refuse_unshardable(dist.get_world_size())
         self._check_loaders_agree(collective)
         if device.type == "cuda":
             learn.model.to(device)
@@ -130,6 +132,16 @@ class DistributedTrainer(Callback):
         if dist.get_backend() == "nccl" or (self.cuda_id is not None and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device() if self.cuda_id is None else self.cuda_id)
         return self.learn.device
+
+    def _refuse_unshardable(self, world_size: int) -> None:
+        """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
+        for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid)):
+            problem = shard_problem(dl) if dl is not None else None
+            if problem is not None:
+                raise ValueError(
+                    f"distrib_ctx: the {name} loader (dls.{name}) cannot be sharded across "
+                    f"{world_size} processes: {problem}"
+                )
 
     def _check_loaders_agree(self, collective: Collective) -> None:
         """Every rank must hold the same data: a loader of different length would desynchronise them,

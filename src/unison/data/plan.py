@@ -101,8 +101,15 @@ def strided_plan(
         return RankPlan(order[:0], [0], [])
     real_items = max(0, -(-(n - rank) // world_size))  # positions rank + W*j < n
     take = min(-(-n // world_size) if pad else real_items, n_batches * batch_size)
-    positions = (rank + world_size * torch.arange(take)) % n
-    mine = order[positions] if isinstance(order, Tensor) else [order[p] for p in positions.tolist()]
+    # A strided slice for the real positions (no index tensor), then the wrapped ones (pad=True).
+    mine = order[rank::world_size][:take]
+    wrapped = take - len(mine)
+    if wrapped > 0:
+        tail = (rank + world_size * torch.arange(len(mine), take)) % n
+        extra = order[tail] if isinstance(order, Tensor) else [order[p] for p in tail.tolist()]
+        mine = torch.cat([mine, extra]) if isinstance(order, Tensor) else [*mine, *extra]
+    elif isinstance(mine, Tensor):
+        mine = mine.clone()  # its own storage: the global order is freed when the caller drops it
     bounds, real, pads = [0], [], []
     for k in range(n_batches):
         rows = max(0, min((k + 1) * batch_size, take) - k * batch_size)

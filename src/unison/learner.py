@@ -440,7 +440,8 @@ class Learner:
             sharded: DistributedDL | StreamDL
             if streaming:
                 steps = None if pad else self.steps_per_epoch  # bounds training epochs only
-                sharded = StreamDL(dl, rank, world, self.collective, steps_per_epoch=steps)
+                seed = self.data_seed
+                sharded = StreamDL(dl, rank, world, self.collective, steps_per_epoch=steps, seed=seed)
             else:
                 sharded = DistributedDL(dl, rank, world, seed=self.data_seed, pad=pad)
             self._sharded[key] = (dl, sharded)

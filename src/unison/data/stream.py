@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from unison.data.batch import batch_size_of
+from unison.data.loader import _mix
 
 _END = object()
 
@@ -102,7 +103,7 @@ class StreamDL:
 
     `collective` (a `unison.distributed.Collective`) agrees on each step's rows; None on one
     process. `steps_per_epoch` bounds an epoch and gives its length when the dataset has no
-    `len()`.
+    `len()`. `seed` (with the epoch and rank) seeds the DataLoader workers.
 
     >>> dl = DataLoader(MyStream(), batch_size=8)                       # doctest: +SKIP
     >>> [b.shape for b in StreamDL(dl, rank=0, world_size=1)][:1]       # doctest: +SKIP
@@ -115,6 +116,7 @@ class StreamDL:
         world_size: int = 1,
         collective: Any = None,
         steps_per_epoch: int | None = None,
+        seed: int = 0,
     ) -> None:
         if not isinstance(dl.dataset, IterableDataset):
             name = type(dl.dataset).__name__
@@ -122,6 +124,7 @@ class StreamDL:
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise ValueError(f"steps_per_epoch must be a positive int or None, got {steps_per_epoch!r}")
         self.rank, self.world_size, self.collective = rank, world_size, collective
+        self.seed = seed
         self.steps_per_epoch = steps_per_epoch
         self.epoch = 0
         self._dl = dl
@@ -155,7 +158,8 @@ class StreamDL:
 
     def set_start(self, batch_index: int) -> None:
         """Continue the next iteration at global step `batch_index` (resume): the stream's first
-        items are read and skipped (generic path) without being collated."""
+        items are read and skipped without being collated (generic path), or this rank's first
+        `batch_index` batches are read and dropped (a self-sharded stream)."""
         if batch_index < 0:
             raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
         self._start = int(batch_index)
@@ -209,9 +213,16 @@ class StreamDL:
             timeout=dl.timeout,
             worker_init_fn=dl.worker_init_fn,
             multiprocessing_context=dl.multiprocessing_context,
-            generator=dl.generator,
+            generator=self._worker_generator(epoch),
             **kwargs,
         )
+
+    def _worker_generator(self, epoch: int) -> torch.Generator:
+        """The loader draws its workers' base seed from this on every iter(): a private generator
+        seeded by epoch and rank keeps the global RNG (dropout) untouched, so a resumed run matches."""
+        if self._dl.generator is not None:
+            return self._dl.generator
+        return torch.Generator().manual_seed(_mix(self.seed, epoch, self.rank, "stream workers"))
 
     def _agree(self, rows: int, stuck: bool) -> tuple[int, bool]:
         """Every rank's rows summed, and whether any rank has no batch to pad with."""
@@ -227,6 +238,10 @@ class StreamDL:
         limit = self.steps_per_epoch
         full = self._rows_per_step()
         batches = iter(self._loader(epoch, start))
+        if not self.generic:  # a self-sharded stream cannot be skipped by position: read its batches
+            for _ in range(start):
+                if next(batches, _END) is _END:
+                    break
         last: Any = _END
         step = start
         while limit is None or step < limit:

@@ -62,26 +62,31 @@ def _parity(opt):
     with contextlib.redirect_stdout(io.StringIO()):
         single.fit(2)
         expected = single.validate()
+        preds_1, targets_1 = single.get_preds()
     multi = _learner(opt)
     with contextlib.redirect_stdout(io.StringIO()), multi.distrib_ctx():
         multi.fit(2)
         got = multi.validate()
+        preds_w, targets_w = multi.get_preds()
     a, b = single.raw_model.state_dict(), multi.raw_model.state_dict()
     return {
         "weights": max(float((a[k] - b[k]).abs().max()) for k in a),
         "valid": max(abs(p - q) for p, q in zip(expected, got, strict=True)),
+        # In the loader's order (its batches joined), each item once.
+        "preds": float((preds_1 - preds_w).abs().max()) if preds_1.shape == preds_w.shape else 1.0,
+        "targets": bool(torch.equal(targets_1, targets_w)) and len(targets_w) == 31,
     }
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_bucketing_batch_sampler_parity_2_ranks(pool2, opt):
     for r in pool2.run(_parity, opt):
-        assert r["weights"] < 1e-5 and r["valid"] < 1e-6
+        assert r["weights"] < 1e-5 and r["valid"] < 1e-6 and r["preds"] < 1e-6 and r["targets"]
 
 
 def test_bucketing_batch_sampler_parity_3_ranks(pool3):
     for r in pool3.run(_parity, "sgd"):
-        assert r["weights"] < 1e-5 and r["valid"] < 1e-6
+        assert r["weights"] < 1e-5 and r["valid"] < 1e-6 and r["preds"] < 1e-6 and r["targets"]
 
 
 def _refused_at_entry(which):

@@ -167,8 +167,11 @@ class DistributedDL:
         self.epoch = 0
         self._dl = dl
         self._start = 0
-        # A custom batch_sampler (length bucketing): its batches are dealt across ranks.
-        self.dealt = dl.batch_size is None
+        # A custom batch_sampler (length bucketing): in training its batches are dealt across ranks
+        # (global step k = the sampler's batch k); in evaluation its batches are joined into one order
+        # and strided as any order, so get_preds keeps the loader's order.
+        self.dealt = dl.batch_size is None and not pad
+        self.joined = dl.batch_size is None and pad
         self._n_planned: int | None = None
         self._rank_plan = RankPlan([], [0], [])
         self._plan_start = 0
@@ -214,8 +217,9 @@ class DistributedDL:
     @property
     def batch_size(self) -> int:
         """Items per rank per step (a dealt batch sampler: its first batch's share, for information)."""
-        if self.dealt:
-            first = next(iter(self._dealt_batches(self.epoch)), [])
+        if self.dealt or self.joined:
+            batches = self._dealt_batches(self.epoch)
+            first = batches[0] if self.dealt and batches else max(batches, key=len, default=[])
             return max(1, -(-len(first) // self.world_size))
         return self._dl.batch_size  # type: ignore[return-value]
 
@@ -250,6 +254,10 @@ class DistributedDL:
         return order.tolist() if isinstance(order, torch.Tensor) else order
 
     def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any]:
+        if self.joined:
+            joined = [i for batch in self._dealt_batches(epoch) for i in batch]
+            ints = all(isinstance(i, int) for i in joined)
+            return torch.tensor(joined, dtype=torch.long) if ints else joined
         return sampler_order(self.sampler, _mix(self.seed, epoch), epoch)
 
     def _dealt_batches(self, epoch: int) -> list[list[Any]]:
@@ -262,7 +270,11 @@ class DistributedDL:
     @property
     def _n(self) -> int:
         # The planned order's length when there is one, else what the sampler announces.
-        return self._n_planned if self._n_planned is not None else len(self.sampler)
+        if self._n_planned is not None:
+            return self._n_planned
+        if self.joined:
+            return sum(len(b) for b in self._dealt_batches(self.epoch))
+        return len(self.sampler)
 
     @property
     def n_items(self) -> int:
@@ -320,10 +332,13 @@ class DistributedDL:
             plan, self._global_sizes = dealt_plan(self._dealt_batches(epoch), self.rank, self.world_size)
             self._dealt_cache = None  # the plan holds this rank's part: drop the global batches
             return plan
+        self._n_planned = None
+        bs, n_batches = self.batch_size, len(self)
         order = self._order_tensor(epoch)
         self._n_planned = len(order)
+        self._dealt_cache = None
         # Only this rank's 1/W of the order is kept; the global order is freed on return.
-        return strided_plan(order, self.rank, self.world_size, self.batch_size, len(self), self.pad)
+        return strided_plan(order, self.rank, self.world_size, bs, n_batches, self.pad)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.epoch, self._start

@@ -109,3 +109,48 @@ def test_an_unshardable_loader_is_refused_at_distrib_ctx_entry(pool2, which):
         assert f"the {which} loader (dls.{which}) cannot be sharded" in message
         assert "DistributedSampler" in message and "give it a plain sampler" in message
     assert not dist.is_initialized()  # (in this process; the pool's group is untouched)
+
+
+def _stop_and_resume(path, distributed, stops):
+    from tests.callbacks.test_checkpoint import Stop, StopAt
+    from unison import Checkpoint
+
+    ctx = (lambda learn: learn.distrib_ctx()) if distributed else (lambda learn: contextlib.nullcontext())
+
+    def fit(learn, cbs=(), resume=False):
+        with contextlib.redirect_stdout(io.StringIO()):
+            learn.fit_one_cycle(2, lr_max=1e-2, cbs=cbs, resume=resume)
+
+    def learner(run_dir, seed=0):
+        learn = _learner("adamw")
+        learn.path = run_dir
+        learn.add_cb(Checkpoint(every=1))
+        if seed:
+            set_seed(seed)
+            other = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+            learn.raw_model.load_state_dict(other.state_dict())
+        return learn
+
+    reference = learner(path / "ref")
+    with ctx(reference):
+        fit(reference)
+    same = []
+    for at in stops:
+        first = learner(path / f"stop{at}")
+        with ctx(first), pytest.raises(Stop):
+            fit(first, cbs=[StopAt(at)])
+        resumed = learner(path / f"stop{at}", seed=99)  # other weights: the checkpoint restores them
+        with ctx(resumed):
+            fit(resumed, resume=True)
+        a, b = reference.raw_model.state_dict(), resumed.raw_model.state_dict()
+        same.append(all(torch.equal(a[k], b[k]) for k in a))
+    return same
+
+
+def test_bucketing_batch_sampler_resumes_exactly_one_process(tmp_path):
+    assert _stop_and_resume(tmp_path, False, [3, 9, 12]) == [True] * 3  # 9 steps an epoch
+
+
+def test_bucketing_batch_sampler_resumes_exactly_two_processes(pool2, tmp_path):
+    for same in pool2.run(_stop_and_resume, tmp_path, True, [3, 12]):
+        assert same == [True, True]

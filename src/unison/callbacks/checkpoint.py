@@ -65,9 +65,12 @@ class Checkpoint(Callback):
     def after_epoch(self) -> None:
         self.save(self.learn.epoch + 1, 0)
 
-    def _global_batch(self) -> int:
+    def _global_batch(self) -> int | None:
+        """Items per global step; None for a batch sampler's loader (its position is kept in steps)."""
         learn = self.learn
         bs = learn.dls.train.batch_size
+        if bs is None and getattr(learn.dls.train, "batch_sampler", None) is not None:
+            return None
         if bs is None:
             raise CheckpointError("Checkpoint needs a train loader with a batch_size to record its position")
         return bs * learn.collective.world_size
@@ -87,7 +90,8 @@ class Checkpoint(Callback):
                 "opt": learn.opt.state_dict(),
                 "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
                 "epoch": epoch,
-                "samples_done": batches_done * self._global_batch(),
+                "samples_done": batches_done * (self._global_batch() or 1),
+                "steps_done": batches_done,
                 "global_batch": self._global_batch(),
                 "world_size": collective.world_size,
                 "data_seed": learn.data_seed,
@@ -126,6 +130,8 @@ class Checkpoint(Callback):
         check_state_fits(learn.raw_model, state["model"], self.file)
         global_batch = self._global_batch()
         samples = state["samples_done"]
+        if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
+            global_batch, samples = 1, state.get("steps_done", samples)
         if samples % global_batch:
             raise CheckpointError(
                 f"{self.file} stopped {samples} samples into epoch {state['epoch']}, not a whole number "

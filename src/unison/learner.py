@@ -155,6 +155,7 @@ class Learner:
         self.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
         self.record_metrics = True
         self.start_epoch, self.start_iter = 0, 0
+        self.stream_resume_state: dict[str, Any] | None = None  # set by Checkpoint for a stateful stream
         self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
         self.pct_train = 0.0
         self.training = False
@@ -342,6 +343,8 @@ class Learner:
             start = self.start_iter
             if isinstance(self.dl, (DistributedDL, StreamDL)):
                 self.dl.set_start(start)  # skip consumed batches without loading them
+            if isinstance(self.dl, StreamDL):
+                self.dl.load_state_dict(self.stream_resume_state)  # a stateful stream continues itself
             self.start_iter = 0
         for i, batch in enumerate(self.dl, start=start):
             self.iter = i

@@ -79,7 +79,12 @@ class Checkpoint(Callback):
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
         learn = self.learn
         collective = learn.collective
-        rng_states = collective.gather_objects(get_rng_state())
+        # A stateful stream's state on every rank (each reads its own part), mid-epoch only.
+        stateful = batches_done and hasattr(learn.dl, "load_state_dict")
+        stream_state = learn.dl.state_dict() if stateful else None  # type: ignore[union-attr]
+        gathered = collective.gather_objects((get_rng_state(), stream_state))
+        rng_states = [rng for rng, _ in gathered]
+        stream_states = [stream for _, stream in gathered]
         recorder_partial = learn.recorder.partial_state() if batches_done else None
         if collective.is_main:
             assert learn.opt is not None
@@ -96,6 +101,7 @@ class Checkpoint(Callback):
                 "world_size": collective.world_size,
                 "data_seed": learn.data_seed,
                 "rng": rng_states,
+                "stream": stream_states,
                 "recorder": learn.recorder.state_dict(),
                 "recorder_partial": recorder_partial,
                 "callbacks": self._callback_states(),
@@ -160,4 +166,7 @@ class Checkpoint(Callback):
         rng = state["rng"]
         set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])
         learn.start_epoch, learn.start_iter = state["epoch"], samples // global_batch
+        streams = state.get("stream") or []
+        same_world = len(streams) == learn.collective.world_size
+        learn.stream_resume_state = streams[rank] if same_world and rank < len(streams) else None
         return True

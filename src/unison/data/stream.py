@@ -130,6 +130,7 @@ class StreamDL:
         self._dl = dl
         self._start = 0
         self._real: list[int] = []
+        self._resume_state: dict[str, Any] | None = None
         self._global: list[int] = []
         own = self_sharded(dl.dataset, rank, world_size) if world_size > 1 else None
         self.generic = own is None
@@ -155,6 +156,19 @@ class StreamDL:
     def set_epoch(self, epoch: int) -> None:
         """Tell the dataset (when it has `set_epoch`, as HF and webdataset streams do) the epoch."""
         self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The state of a self-sharded dataset that offers `state_dict` (as torchdata's stateful
+        datasets do), read in this process (`num_workers=0`); None otherwise (resume skips by steps)."""
+        source = self._source
+        if self.generic or self._dl.num_workers > 0 or not hasattr(source, "state_dict"):
+            return None
+        return {"dataset": source.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Resume the next iteration from `state` (what `state_dict` gave): the dataset continues
+        itself, nothing is read twice. Call with the `set_start` of the same step."""
+        self._resume_state = state
 
     def set_start(self, batch_index: int) -> None:
         """Continue the next iteration at global step `batch_index` (resume): the stream's first
@@ -237,8 +251,11 @@ class StreamDL:
         self._real, self._global = [0] * start, [0] * start
         limit = self.steps_per_epoch
         full = self._rows_per_step()
-        batches = iter(self._loader(epoch, start))
-        if not self.generic:  # a self-sharded stream cannot be skipped by position: read its batches
+        state, self._resume_state = self._resume_state, None
+        if state is not None and start:
+            self._source.load_state_dict(state["dataset"])
+        batches = iter(self._loader(epoch, 0 if state is not None else start))
+        if not self.generic and state is None:  # no state to continue from: read and drop its batches
             for _ in range(start):
                 if next(batches, _END) is _END:
                     break

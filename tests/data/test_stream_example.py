@@ -1,4 +1,4 @@
-"""examples/stream_digits.py runs as the README shows, and 2 processes (2 workers each) equal one."""
+"""examples/stream_digits.py runs as the README shows, and 2 processes equal one (workers: test_stream.py)."""
 
 import re
 import subprocess
@@ -24,6 +24,6 @@ def _accuracy(cmd, cwd):
 def test_stream_example_on_one_and_two_processes(tmp_path):
     one = _accuracy([sys.executable, EXAMPLE, "--out", str(tmp_path / "one")], tmp_path)
     launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", EXAMPLE]
-    two = _accuracy([*launch, "--out", str(tmp_path / "two"), "--bs", "32", "--workers", "2"], tmp_path)
+    two = _accuracy([*launch, "--out", str(tmp_path / "two"), "--bs", "32"], tmp_path)
     assert one >= 0.85
     assert two == one  # the same global batches: the same weights, the same accuracy

@@ -120,7 +120,8 @@ class ExactLoss:
         global_rows = None
         if self.count_is_rows:
             dl = learn.dl
-            global_rows = float(dl.global_rows(learn.iter) if isinstance(dl, DistributedDL) else count)
+            known = isinstance(dl, DistributedDL) or hasattr(dl, "global_rows")  # a StreamDL too
+            global_rows = float(dl.global_rows(learn.iter) if known else count)
         ref = self.step.add(count, global_rows)
         return mean if count == ref else total / ref
 

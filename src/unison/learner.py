@@ -59,6 +59,7 @@ from unison.data.batch import (
 )
 from unison.data.checks import refuse_empty_train
 from unison.data.loader import DistributedDL
+from unison.data.stream import StreamDL, loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
 from unison.exact_loss import ExactLoss
@@ -93,7 +94,8 @@ class Learner:
 
     `loss_func=None` uses the model's own loss; `splitter` makes param groups;
     `call_model(model, xb)` is how inputs reach the model; `compile=True` (or a dict of
-    `torch.compile` options) compiles the model.
+    `torch.compile` options) compiles the model. `steps_per_epoch` bounds a training epoch
+    over a stream (an `IterableDataset`) and gives its length when the dataset has no `len()`.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class Learner:
         splitter: Callable[[nn.Module], Sequence[Iterable[nn.Parameter]]] | None = None,
         call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = call_model,
         compile: bool | dict[str, Any] = False,
+        steps_per_epoch: int | None = None,
     ):
         if not isinstance(dls, DataLoaders):
             raise TypeError(
@@ -129,6 +132,9 @@ class Learner:
             raise TypeError(f"Learner: opt_func must be a callable(params, lr=lr), got {opt_func!r}")
         self._check_lr(lr)
         self.dls = dls
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+            raise ValueError(f"Learner: steps_per_epoch must be a positive int or None: {steps_per_epoch}")
+        self.steps_per_epoch = steps_per_epoch
         # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
         self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
         self.loss_func = loss_func
@@ -149,10 +155,11 @@ class Learner:
         self.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
         self.record_metrics = True
         self.start_epoch, self.start_iter = 0, 0
+        self.stream_resume_state: dict[str, Any] | None = None  # set by Checkpoint for a stateful stream
         self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
         self.pct_train = 0.0
         self.training = False
-        self.dl: DistributedDL | DataLoader | None = None
+        self.dl: DistributedDL | StreamDL | DataLoader | None = None
         self.xb: tuple[Any, ...] = ()
         self.yb: tuple[Any, ...] = ()
         self.pred: Any = None
@@ -161,7 +168,7 @@ class Learner:
         self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
         self.score = True  # False in get_preds: forward passes only, no loss
         self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
-        self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL]] = {}
+        self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL | StreamDL]] = {}
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
         self.recorder = Recorder()
@@ -244,6 +251,8 @@ class Learner:
         if lr is not None:
             self._check_lr(lr)
         refuse_empty_train(self.dls.train)
+        if any(isinstance(cb, OneCycleScheduler) for cb in [*self.cbs, *cbs]):
+            self._refuse_unknown_length()
         with self.added_cbs(cbs):
             if self.opt is None:
                 self.create_opt()
@@ -282,6 +291,16 @@ class Learner:
         )
         self.fit(n_epoch, cbs=[schedule, *cbs], resume=resume)
 
+    def _refuse_unknown_length(self) -> None:
+        train = self.dls.train
+        if isinstance(getattr(train, "dataset", None), IterableDataset) and self.steps_per_epoch is None:
+            if loader_length(train) is None:
+                raise ValueError(
+                    f"fit: the one-cycle schedule needs the epoch's length, and the train stream "
+                    f"({type(train.dataset).__name__}) has no len(): give the dataset a __len__ or pass "
+                    "Learner(steps_per_epoch=...)"
+                )
+
     def lr_find(
         self, start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, stop_div: bool = True
     ) -> float:
@@ -316,14 +335,16 @@ class Learner:
 
     def _all_batches(self) -> None:
         assert self.dl is not None
-        self.n_iter = len(self.dl)
+        self.n_iter = loader_length(self.dl) or 0  # 0: a stream of unknown length
         self._device = self.device
         self._devices_checked = False
         start = 0
         if self.training and self.epoch == self.start_epoch and self.start_iter:
             start = self.start_iter
-            if isinstance(self.dl, DistributedDL):
+            if isinstance(self.dl, (DistributedDL, StreamDL)):
                 self.dl.set_start(start)  # skip consumed batches without loading them
+            if isinstance(self.dl, StreamDL):
+                self.dl.load_state_dict(self.stream_resume_state)  # a stateful stream continues itself
             self.start_iter = 0
         for i, batch in enumerate(self.dl, start=start):
             self.iter = i
@@ -340,7 +361,7 @@ class Learner:
     def _trim_padding(self, batch_index: int) -> None:
         """Drop the rows `DistributedDL` added to even out ranks from the *inputs*: whatever
         computes the loss (the model itself included), padding is never scored."""
-        real = self.dl.real_rows(batch_index) if isinstance(self.dl, DistributedDL) else None
+        real = self.dl.real_rows(batch_index) if isinstance(self.dl, (DistributedDL, StreamDL)) else None
         self._empty_share = real == 0
         self._padded_xb = self.xb
         if real is not None and real < batch_size_of(self.xb):
@@ -402,19 +423,30 @@ class Learner:
                     "or stop moving the batch (the Learner moves batches to the model's device)"
                 )
 
-    def _shard(self, dl: DataLoader | DistributedDL, pad: bool = True) -> DataLoader | DistributedDL:
+    def _shard(
+        self, dl: DataLoader | DistributedDL | StreamDL, pad: bool = True
+    ) -> DataLoader | DistributedDL | StreamDL:
         """This rank's share of `dl` for the current epoch, in the order set by `data_seed`.
 
         Training (`pad=False`) splits the last global batch unevenly: no item twice. Evaluation
-        pads by wrapping and trims the padding from the inputs."""
-        if isinstance(dl, DistributedDL):
+        pads by wrapping and trims the padding from the inputs. A stream (`IterableDataset`)
+        is strided by `StreamDL` (or shards itself), every rank taking the same number of steps."""
+        if isinstance(dl, (DistributedDL, StreamDL)):
             return dl
         world = self.collective.world_size
-        if world == 1 and (isinstance(dl.dataset, IterableDataset) or dl.batch_size is None):
-            return dl  # one process: a loader we cannot re-order is used as it is
+        streaming = isinstance(dl.dataset, IterableDataset)
+        if world == 1 and not streaming and dl.batch_size is None and dl.batch_sampler is None:
+            return dl  # one process, no batching: used as it is
         key = (id(dl), pad)
         if key not in self._sharded or self._sharded[key][0] is not dl:
-            sharded = DistributedDL(dl, self.collective.rank, world, seed=self.data_seed, pad=pad)
+            rank = self.collective.rank
+            sharded: DistributedDL | StreamDL
+            if streaming:
+                steps = None if pad else self.steps_per_epoch  # bounds training epochs only
+                seed = self.data_seed
+                sharded = StreamDL(dl, rank, world, self.collective, steps_per_epoch=steps, seed=seed)
+            else:
+                sharded = DistributedDL(dl, rank, world, seed=self.data_seed, pad=pad)
             self._sharded[key] = (dl, sharded)
         sharded = self._sharded[key][1]
         sharded.set_epoch(self.epoch)

@@ -194,7 +194,7 @@ def test_unsupported_loaders_are_clear_errors():
     with pytest.raises(ValueError, match="needs a map-style dataset"):
         DistributedDL(DataLoader(_Stream(), batch_size=2), 0, 1)
     with pytest.raises(ValueError, match="batch_size=None"):
-        DistributedDL(DataLoader(list(range(8)), batch_sampler=[[0, 1], [2, 3]]), 0, 1)
+        DistributedDL(DataLoader(list(range(8)), batch_size=None), 0, 1)
     with pytest.raises(ValueError, match="rank=2, world_size=2"):
         DistributedDL(DataLoader(list(range(8))), 2, 2)
     with pytest.raises(ValueError, match="rank=0, world_size=0"):

@@ -65,9 +65,12 @@ class Checkpoint(Callback):
     def after_epoch(self) -> None:
         self.save(self.learn.epoch + 1, 0)
 
-    def _global_batch(self) -> int:
+    def _global_batch(self) -> int | None:
+        """Items per global step; None for a batch sampler's loader (its position is kept in steps)."""
         learn = self.learn
         bs = learn.dls.train.batch_size
+        if bs is None and getattr(learn.dls.train, "batch_sampler", None) is not None:
+            return None
         if bs is None:
             raise CheckpointError("Checkpoint needs a train loader with a batch_size to record its position")
         return bs * learn.collective.world_size
@@ -76,7 +79,12 @@ class Checkpoint(Callback):
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
         learn = self.learn
         collective = learn.collective
-        rng_states = collective.gather_objects(get_rng_state())
+        # A stateful stream's state on every rank (each reads its own part), mid-epoch only.
+        stateful = batches_done and hasattr(learn.dl, "load_state_dict")
+        stream_state = learn.dl.state_dict() if stateful else None  # type: ignore[union-attr]
+        gathered = collective.gather_objects((get_rng_state(), stream_state))
+        rng_states = [rng for rng, _ in gathered]
+        stream_states = [stream for _, stream in gathered]
         recorder_partial = learn.recorder.partial_state() if batches_done else None
         if collective.is_main:
             assert learn.opt is not None
@@ -87,11 +95,13 @@ class Checkpoint(Callback):
                 "opt": learn.opt.state_dict(),
                 "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
                 "epoch": epoch,
-                "samples_done": batches_done * self._global_batch(),
+                "samples_done": batches_done * (self._global_batch() or 1),
+                "steps_done": batches_done,
                 "global_batch": self._global_batch(),
                 "world_size": collective.world_size,
                 "data_seed": learn.data_seed,
                 "rng": rng_states,
+                "stream": stream_states,
                 "recorder": learn.recorder.state_dict(),
                 "recorder_partial": recorder_partial,
                 "callbacks": self._callback_states(),
@@ -128,6 +138,8 @@ class Checkpoint(Callback):
         check_state_fits(learn.raw_model, state["model"], self.file)
         global_batch = self._global_batch()
         samples = state["samples_done"]
+        if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
+            global_batch, samples = 1, state.get("steps_done", samples)
         if samples % global_batch:
             raise CheckpointError(
                 f"{self.file} stopped {samples} samples into epoch {state['epoch']}, not a whole number "
@@ -156,4 +168,7 @@ class Checkpoint(Callback):
         rng = state["rng"]
         set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])
         learn.start_epoch, learn.start_iter = state["epoch"], samples // global_batch
+        streams = state.get("stream") or []
+        same_world = len(streams) == learn.collective.world_size
+        learn.stream_resume_state = streams[rank] if same_world and rank < len(streams) else None
         return True

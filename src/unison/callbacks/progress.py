@@ -8,6 +8,7 @@ import time
 from tqdm.auto import tqdm
 
 from unison.callbacks.core import Callback
+from unison.data.stream import loader_length
 
 
 class ProgressCallback(Callback):
@@ -47,7 +48,7 @@ class ProgressCallback(Callback):
     def _open(self, desc: str) -> None:
         if self._enabled():
             self.active = True
-            self._bar = tqdm(total=len(self.learn.dl), desc=desc, leave=False, dynamic_ncols=True)
+            self._bar = tqdm(total=loader_length(self.learn.dl), desc=desc, leave=False, dynamic_ncols=True)
             self._last = 0.0
 
     def before_train(self) -> None:

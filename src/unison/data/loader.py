@@ -23,11 +23,35 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from unison.data.plan import RankPlan, dealt_plan, sampler_order, strided_plan
+
 
 def _mix(*parts: int | str) -> int:
     """A 63-bit value from `parts`, the same in every process (unlike `hash`)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def shard_problem(dl: Any) -> str | None:
+    """Why `dl` cannot be sharded across processes, and the way out; None when it can.
+
+    >>> shard_problem(DataLoader(range(8), batch_size=None))
+    'it has batch_size=None and no batch_sampler (no batching): ...'
+    """
+    if isinstance(dl, DistributedDL) or type(dl).__name__ == "StreamDL":
+        return None
+    if not isinstance(dl, DataLoader):
+        return f"it is a {type(dl).__name__}, not a torch DataLoader: wrap the dataset in a DataLoader"
+    if isinstance(dl.dataset, IterableDataset):
+        return None  # streamed: strided or self-sharded by StreamDL
+    if isinstance(dl.sampler, DistributedSampler):
+        return "it already has a DistributedSampler: give it a plain sampler (or shuffle=True); unison shards"
+    if dl.batch_size is None and dl.batch_sampler is None:
+        return (
+            "it has batch_size=None and no batch_sampler (no batching): "
+            "give it a batch_size or a batch_sampler"
+        )
+    return None
 
 
 class _TensorBatches(Dataset):
@@ -64,17 +88,19 @@ def _batched_fetch(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
 
 
 class _PlanSampler:
-    """The inner loader's batch sampler: yields the index lists `DistributedDL.__iter__` planned."""
+    """The inner loader's batch sampler: yields the batches `DistributedDL.__iter__` planned
+    (index lists; int64 tensors for the batched TensorDataset fetch)."""
 
-    def __init__(self, owner: DistributedDL) -> None:
-        self.owner = owner
+    def __init__(self, owner: DistributedDL, as_tensor: bool) -> None:
+        self.owner, self.as_tensor = owner, as_tensor
 
-    def __iter__(self) -> Iterator[list[Any]]:
-        # Bind the list now: a later plan must not change an iteration in flight.
-        return iter(self.owner._batches)
+    def __iter__(self) -> Iterator[Any]:
+        # Bind the plan now: a later plan must not change an iteration in flight.
+        plan, start = self.owner._rank_plan, self.owner._plan_start
+        return plan.batches(start, self.as_tensor)
 
     def __len__(self) -> int:
-        return len(self.owner._batches)
+        return len(self.owner._rank_plan) - self.owner._plan_start
 
 
 class DistributedDL:
@@ -110,11 +136,10 @@ class DistributedDL:
                 "DistributedDL needs a map-style dataset (with __getitem__ and __len__), "
                 f"got an IterableDataset ({type(dl.dataset).__name__}): it cannot be indexed to shard it"
             )
-        if dl.batch_size is None:
+        if dl.batch_size is None and dl.batch_sampler is None:
             raise ValueError(
-                "DistributedDL does not support a DataLoader with batch_size=None (a custom batch_sampler "
-                "or no batching): it shards the sampler's indices and batches them itself; "
-                "pass sampler= and batch_size= instead"
+                "DistributedDL does not support a DataLoader with batch_size=None and no batch_sampler "
+                "(no batching): give it a batch_size or a batch_sampler"
             )
         if isinstance(dl.sampler, DistributedSampler):
             raise ValueError(
@@ -140,11 +165,18 @@ class DistributedDL:
         self.seed = int(seed)
         self.pad = pad
         self.epoch = 0
-        self._real: list[int] = []
         self._dl = dl
         self._start = 0
-        self._order: list[Any] | None = None
-        self._batches: list[list[Any]] = []
+        # A custom batch_sampler (length bucketing): in training its batches are dealt across ranks
+        # (global step k = the sampler's batch k); in evaluation its batches are joined into one order
+        # and strided as any order, so get_preds keeps the loader's order.
+        self.dealt = dl.batch_size is None and not pad
+        self.joined = dl.batch_size is None and pad
+        self._n_planned: int | None = None
+        self._rank_plan = RankPlan([], [0], [])
+        self._plan_start = 0
+        self._global_sizes: list[int] = []
+        self._dealt_cache: tuple[int, list[list[Any]]] | None = None
         # DataLoader draws its worker base seed from this generator on every iter(); a private one
         # reseeded per epoch keeps the caller's global RNG untouched and worker seeds reproducible.
         self._gen = dl.generator if dl.generator is not None else torch.Generator()
@@ -156,7 +188,7 @@ class DistributedDL:
         dataset, collate_fn = _batched_fetch(dl.dataset, dl.collate_fn)
         self._inner = DataLoader(
             dataset,
-            batch_sampler=_PlanSampler(self),  # type: ignore[arg-type]
+            batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),  # type: ignore[arg-type]
             collate_fn=collate_fn,
             num_workers=dl.num_workers,
             pin_memory=dl.pin_memory,
@@ -184,6 +216,11 @@ class DistributedDL:
 
     @property
     def batch_size(self) -> int:
+        """Items per rank per step (a dealt batch sampler: its first batch's share, for information)."""
+        if self.dealt or self.joined:
+            batches = self._dealt_batches(self.epoch)
+            first = batches[0] if self.dealt and batches else max(batches, key=len, default=[])
+            return max(1, -(-len(first) // self.world_size))
         return self._dl.batch_size  # type: ignore[return-value]
 
     @property
@@ -207,41 +244,47 @@ class DistributedDL:
         self._start = int(batch_index)
 
     def global_order(self, epoch: int) -> list[Any]:
-        """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size.
+        """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size
+        (a list, to inspect; planning keeps them as an int64 tensor).
 
         >>> DistributedDL(DataLoader(range(4)), 0, 2).global_order(0)
         [0, 1, 2, 3]
         """
-        sampler = self.sampler
-        mixed = _mix(self.seed, epoch)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        has_gen = hasattr(sampler, "generator")
-        saved = sampler.generator if has_gen else None
-        # Samplers draw from their own generator or else from the global RNG: pin both, restore both.
-        # Only the CPU generator: torch.manual_seed would also seed every GPU's (which fork_rng(devices=[])
-        # does not restore), so GPU dropout would draw the same numbers on every rank.
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(mixed)
-            try:
-                if has_gen:
-                    sampler.generator = torch.Generator().manual_seed(mixed)
-                return list(sampler)
-            finally:
-                if has_gen:
-                    sampler.generator = saved
+        order = self._order_tensor(epoch)
+        return order.tolist() if isinstance(order, torch.Tensor) else order
+
+    def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any]:
+        if self.joined:
+            joined = [i for batch in self._dealt_batches(epoch) for i in batch]
+            ints = all(isinstance(i, int) for i in joined)
+            return torch.tensor(joined, dtype=torch.long) if ints else joined
+        return sampler_order(self.sampler, _mix(self.seed, epoch), epoch)
+
+    def _dealt_batches(self, epoch: int) -> list[list[Any]]:
+        """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""
+        if self._dealt_cache is None or self._dealt_cache[0] != epoch:
+            batches = sampler_order(self._dl.batch_sampler, _mix(self.seed, epoch), epoch)
+            self._dealt_cache = (epoch, [list(b) for b in batches])
+        return self._dealt_cache[1]
 
     @property
     def _n(self) -> int:
-        # The planned order when there is one, else what the sampler announces.
-        return len(self._order) if self._order is not None else len(self.sampler)
+        # The planned order's length when there is one, else what the sampler announces.
+        if self._n_planned is not None:
+            return self._n_planned
+        if self.joined:
+            return sum(len(b) for b in self._dealt_batches(self.epoch))
+        return len(self.sampler)
 
     @property
     def n_items(self) -> int:
         """How many items this rank yields per epoch (`ceil(n / W)`, less the dropped last batch;
         with `pad=False`, its real items of the epoch's global batches)."""
+        if self.dealt:
+            return sum(len(b[self.rank :: self.world_size]) for b in self._dealt_batches(self.epoch))
         if not self.pad:
-            return sum(self._real_counts())
+            real_items = max(0, math.ceil((self._n - self.rank) / self.world_size))
+            return min(real_items, len(self) * self.batch_size)
         items = math.ceil(self._n / self.world_size)
         return items - items % self.batch_size if self.drop_last else items
 
@@ -254,19 +297,12 @@ class DistributedDL:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank; `set_start` does not change it)."""
+        if self.dealt:
+            return len(self._dealt_batches(self.epoch))
         if not self.pad:
             global_bs = self.world_size * self.batch_size
             return self._n // global_bs if self.drop_last else math.ceil(self._n / global_bs)
         return math.ceil(self.n_items / self.batch_size)
-
-    def _positions(self, batch_index: int) -> list[int]:
-        """Global positions of this rank's batch `batch_index` (past `n` when wrapped)."""
-        w, bs = self.world_size, self.batch_size
-        first = batch_index * w * bs + self.rank
-        if self.pad:
-            last = self.rank + w * self.n_items
-            return list(range(first, min(first + w * bs, last), w))
-        return [p for p in range(first, first + w * bs, w) if p < self._n]
 
     def global_rows(self, batch_index: int) -> int:
         """Real items in global batch `batch_index` over all ranks (`pad=False`: the whole plan is known).
@@ -274,11 +310,11 @@ class DistributedDL:
         >>> DistributedDL(DataLoader(list(range(5)), batch_size=2), 0, 2, pad=False).global_rows(1)
         1
         """
+        if self.dealt:
+            sizes = self._global_sizes
+            return sizes[batch_index] if batch_index < len(sizes) else 0
         global_bs = self.world_size * self.batch_size
         return max(0, min(global_bs, self._n - batch_index * global_bs))
-
-    def _real_counts(self) -> list[int]:
-        return [sum(p < self._n for p in self._positions(k)) for k in range(len(self))]
 
     def real_rows(self, batch_index: int) -> int:
         """How many leading rows of batch `batch_index` (of the epoch last iterated) are real items;
@@ -288,24 +324,29 @@ class DistributedDL:
         >>> [len(b) for b in ddl], ddl.real_rows(1)
         ([2, 1], 0)
         """
-        return self._real[batch_index] if batch_index < len(self._real) else 0
+        real = self._rank_plan.real
+        return real[batch_index] if batch_index < len(real) else 0
 
-    def _plan(self, epoch: int, start: int) -> list[list[Any]]:
-        self._order = order = self.global_order(epoch)
-        n = len(order)
-        if not n:
-            self._real = []
-            return []
-        plans = [self._positions(k) for k in range(len(self))]
-        self._real = [sum(p < n for p in positions) for positions in plans]
-        # An empty share still yields one (padding) item so that every rank runs every step.
-        batches = [[order[p % n] for p in positions] or [order[k % n]] for k, positions in enumerate(plans)]
-        return batches[start:]
+    def _plan(self, epoch: int) -> RankPlan:
+        if self.dealt:
+            plan, self._global_sizes = dealt_plan(self._dealt_batches(epoch), self.rank, self.world_size)
+            self._dealt_cache = None  # the plan holds this rank's part: drop the global batches
+            return plan
+        self._n_planned = None
+        bs, n_batches = self.batch_size, len(self)
+        order = self._order_tensor(epoch)
+        self._n_planned = len(order)
+        self._dealt_cache = None
+        # Only this rank's 1/W of the order is kept; the global order is freed on return.
+        return strided_plan(order, self.rank, self.world_size, bs, n_batches, self.pad)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.epoch, self._start
-        self.epoch, self._start = epoch + 1, 0
-        self._batches = self._plan(epoch, start)
+        self._start = 0
+        self._rank_plan = RankPlan([], [0], [])  # the last epoch's plan is freed before the next is made
+        self._rank_plan = self._plan(epoch)
+        self._plan_start = start
+        self.epoch = epoch + 1
         if self._dl.generator is None:
             self._gen.manual_seed(_mix(self.seed, epoch, self.rank, "workers"))
         return iter(self._inner)

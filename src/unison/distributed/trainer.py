@@ -22,6 +22,7 @@ from torch import nn
 
 from unison.callbacks.core import Callback
 from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
+from unison.data.loader import shard_problem
 from unison.distributed.collective import Collective
 from unison.distributed.devices import BACKEND_ENV, pick_device, place_training_state
 from unison.distributed.env import group_active
@@ -133,6 +134,7 @@ class DistributedTrainer(Callback):
     def _wrap(self, device: torch.device) -> None:
         learn = self.learn
         collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
+        self._refuse_unshardable(dist.get_world_size())
         self._check_loaders_agree(collective)
         model = learn.model
         if self.sync_bn:
@@ -164,6 +166,16 @@ class DistributedTrainer(Callback):
         local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
         backend = dist.get_backend() if group_active() else None
         return pick_device(backend, self.cuda_id, local_rank, n_gpus, self.learn.device, force_cpu=force_cpu)
+
+    def _refuse_unshardable(self, world_size: int) -> None:
+        """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
+        for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid)):
+            problem = shard_problem(dl) if dl is not None else None
+            if problem is not None:
+                raise ValueError(
+                    f"distrib_ctx: the {name} loader (dls.{name}) cannot be sharded across "
+                    f"{world_size} processes: {problem}"
+                )
 
     def _check_loaders_agree(self, collective: Collective) -> None:
         """Every rank must hold the same data: a loader of different length would desynchronise them,

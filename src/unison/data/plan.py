@@ -1,0 +1,147 @@
+"""One rank's batches of one epoch, held as an int64 tensor (not a Python list).
+
+The global order of an epoch is drawn once (`sampler_order`: torch's own samplers as one
+tensor op, any other sampler by iterating it under a pinned RNG); `RankPlan` keeps only
+this rank's indices (1/W of them) and the batch bounds, and the global order is dropped.
+A batch becomes a list of ints only when the loader asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import RandomSampler, SequentialSampler
+
+
+def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | None:
+    """The order `list(sampler)` gives, made as one tensor, for torch's plain samplers (else None)."""
+    if type(sampler) is SequentialSampler:
+        return torch.arange(len(sampler.data_source))
+    if type(sampler) is RandomSampler and not sampler.replacement:
+        n, wanted = len(sampler.data_source), sampler.num_samples
+        if n == 0:
+            return torch.zeros(0, dtype=torch.long)
+        # RandomSampler.__iter__: whole permutations, then the head of one more (same generator).
+        parts = [torch.randperm(n, generator=generator) for _ in range(wanted // n)]
+        if wanted % n:
+            parts.append(torch.randperm(n, generator=generator)[: wanted % n])
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return None
+
+
+def sampler_order(sampler: Any, seed: int, epoch: int) -> Tensor | list[Any]:
+    """What `sampler` yields for `epoch`, drawn under `seed` (its generator and the global RNG pinned,
+    both restored): an int64 tensor when the indices are ints, else a list.
+
+    >>> sampler_order(SequentialSampler(range(4)), seed=0, epoch=0)
+    tensor([0, 1, 2, 3])
+    """
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    has_gen = hasattr(sampler, "generator")
+    saved = sampler.generator if has_gen else None
+    # Only the CPU generator: torch.manual_seed would also seed every GPU's (which fork_rng(devices=[])
+    # does not restore), so GPU dropout would draw the same numbers on every rank.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            if has_gen:
+                sampler.generator = generator
+            fast = _fast_order(sampler, generator)
+            order: list[Any] = list(sampler) if fast is None else []
+        finally:
+            if has_gen:
+                sampler.generator = saved
+    if fast is not None:
+        return fast
+    if all(isinstance(i, int) for i in order):
+        return torch.tensor(order, dtype=torch.long)
+    return order
+
+
+class RankPlan:
+    """This rank's batches: batch `k` is `items[bounds[k]:bounds[k+1]]`, of which the first
+    `real[k]` rows are real items (the rest padding).
+
+    >>> plan = RankPlan(torch.tensor([0, 2, 4]), bounds=[0, 2, 3], real=[2, 1])
+    >>> list(plan.batches(start=1))
+    [[4]]
+    """
+
+    def __init__(self, items: Tensor | list[Any], bounds: Sequence[int], real: Sequence[int]) -> None:
+        self.items, self.bounds, self.real = items, list(bounds), list(real)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def batch(self, k: int, as_tensor: bool = False) -> Any:
+        part = self.items[self.bounds[k] : self.bounds[k + 1]]
+        if isinstance(part, Tensor) and not as_tensor:
+            return part.tolist()
+        return part
+
+    def batches(self, start: int = 0, as_tensor: bool = False) -> Iterator[Any]:
+        for k in range(start, len(self)):
+            yield self.batch(k, as_tensor)
+
+
+def strided_plan(
+    order: Tensor | list[Any], rank: int, world_size: int, batch_size: int, n_batches: int, pad: bool
+) -> RankPlan:
+    """Rank `rank`'s batches of `order`: global positions `rank, rank + W, ...`, `batch_size` at a time.
+
+    `pad=True` wraps positions past the end (every rank gets `n_batches` full-length shares up to
+    `ceil(n / W)` items); `pad=False` keeps only real positions, and a rank whose share of a batch is
+    empty gets one padding item (so it still takes part in every step).
+    """
+    n = len(order)
+    if n == 0 or n_batches == 0:
+        return RankPlan(order[:0], [0], [])
+    real_items = max(0, -(-(n - rank) // world_size))  # positions rank + W*j < n
+    take = min(-(-n // world_size) if pad else real_items, n_batches * batch_size)
+    # A strided slice for the real positions (no index tensor), then the wrapped ones (pad=True).
+    mine = order[rank::world_size][:take]
+    wrapped = take - len(mine)
+    if wrapped > 0:
+        tail = (rank + world_size * torch.arange(len(mine), take)) % n
+        extra = order[tail] if isinstance(order, Tensor) else [order[p] for p in tail.tolist()]
+        mine = torch.cat([mine, extra]) if isinstance(order, Tensor) else [*mine, *extra]
+    elif isinstance(mine, Tensor):
+        mine = mine.clone()  # its own storage: the global order is freed when the caller drops it
+    bounds, real, pads = [0], [], []
+    for k in range(n_batches):
+        rows = max(0, min((k + 1) * batch_size, take) - k * batch_size)
+        real.append(max(0, min(rows, real_items - k * batch_size)))
+        if rows == 0:  # an empty share (only ever after every non-empty one): one padding item
+            pads.append(order[k % n])
+        bounds.append(bounds[-1] + max(rows, 1))
+    if pads and isinstance(mine, Tensor):
+        mine = torch.cat([mine, torch.stack(pads)])
+    elif pads:
+        mine = [*mine, *pads]
+    return RankPlan(mine, bounds, real)
+
+
+def dealt_plan(batches: Sequence[Sequence[Any]], rank: int, world_size: int) -> tuple[RankPlan, list[int]]:
+    """Rank `rank`'s part of each of the global `batches` (a batch sampler's): `batch[rank::W]`, or one
+    padding item of the batch when that is empty. Also each global batch's size.
+
+    >>> plan, sizes = dealt_plan([[5, 6, 7], [8]], rank=1, world_size=2)
+    >>> list(plan.batches()), plan.real, sizes
+    ([[6], [8]], [1, 0], [3, 1])
+    """
+    items: list[Any] = []
+    bounds, real, sizes = [0], [], []
+    for batch in batches:
+        batch = list(batch)
+        share = batch[rank::world_size]
+        real.append(len(share))
+        sizes.append(len(batch))
+        items.extend(share or batch[:1])
+        bounds.append(len(items))
+    as_ints = all(isinstance(i, int) for i in items)
+    return RankPlan(torch.tensor(items, dtype=torch.long) if as_ints else items, bounds, real), sizes

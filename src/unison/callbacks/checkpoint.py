@@ -20,6 +20,14 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
+from unison.distributed.sharded import is_sharded
+from unison.distributed.sharded_checkpoint import (
+    find_sharded,
+    load_sharded,
+    read_meta,
+    save_sharded,
+    sharded_path,
+)
 from unison.rng import get_rng_state, set_rng_state
 from unison.serialization import (
     FORMAT_KEY,
@@ -77,13 +85,14 @@ class Checkpoint(Callback):
         collective = learn.collective
         rng_states = collective.gather_objects(get_rng_state())
         recorder_partial = learn.recorder.partial_state() if batches_done else None
-        if collective.is_main:
+        sharded = is_sharded(learn.model)  # then every rank writes its shards (sharded_checkpoint.py)
+        if collective.is_main or sharded:
             assert learn.opt is not None
             state: dict[str, Any] = {
                 FORMAT_KEY: FORMAT_VERSION,
                 "kind": "checkpoint",
-                "model": learn.raw_model.state_dict(),
-                "opt": learn.opt.state_dict(),
+                "model": None if sharded else learn.raw_model.state_dict(),
+                "opt": None if sharded else learn.opt.state_dict(),
                 "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
                 "epoch": epoch,
                 "samples_done": batches_done * self._global_batch(),
@@ -95,7 +104,10 @@ class Checkpoint(Callback):
                 "recorder_partial": recorder_partial,
                 "callbacks": self._callback_states(),
             }
-            atomic_save(state, self.file)
+            if sharded:
+                save_sharded(sharded_path(self.file), learn.model, learn.opt, state, collective)
+            else:
+                atomic_save(state, self.file)
         self.saves += 1
         return self.file
 
@@ -116,11 +128,16 @@ class Checkpoint(Callback):
 
     def restore_latest(self) -> bool:
         """Load the checkpoint into the learner and set where `fit` continues; False if there is none."""
-        if not self.file.exists():
-            return False
         learn = self.learn
-        state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
-        check_state_fits(learn.raw_model, state["model"], self.file)
+        folder = find_sharded(sharded_path(self.file))  # a sharded run's checkpoint
+        if folder is not None and (is_sharded(learn.model) or not self.file.exists()):
+            state = read_meta(folder, learn.model)
+        elif self.file.exists():
+            folder = None
+            state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
+            check_state_fits(learn.raw_model, state["model"], self.file)
+        else:
+            return False
         global_batch = self._global_batch()
         samples = state["samples_done"]
         if samples % global_batch:
@@ -130,11 +147,14 @@ class Checkpoint(Callback):
                 f"of the interrupted run ({state['global_batch']})"
             )
         # Everything is checked: now change the learner.
-        learn.raw_model.load_state_dict(state["model"])
         if learn.opt is None:
             learn.create_opt()
         assert learn.opt is not None
-        learn.opt.load_state_dict(state["opt"])
+        if folder is not None:
+            load_sharded(folder, learn.model, learn.opt, learn.collective)
+        else:
+            learn.raw_model.load_state_dict(state["model"])
+            learn.opt.load_state_dict(state["opt"])
         if state.get("scaler") is not None:
             if learn.scaler is None:
                 learn.scaler = torch.amp.GradScaler("cuda")

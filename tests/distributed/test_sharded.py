@@ -1,0 +1,212 @@
+"""Sharded training (FSDP2) on real gloo groups: parity with one process and with DDP; blocks."""
+
+import contextlib
+import io
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Callback, DataLoaders, GradientAccumulation, GradientClip, Learner, accuracy, set_seed
+from unison.distributed import ShardedTrainer, SyncBatchNorm
+from unison.distributed.sharded import is_sharded, select_blocks
+
+N_TRAIN = 48  # a multiple of W * bs for W = 2 and 3 (bs = 8)
+
+
+class TinyTransformer(nn.Module):
+    """Two encoder layers over 4 tokens of 6 features, mean-pooled into 2 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        # No biases: a key bias gets only rounding noise as gradient (softmax ignores it), which
+        # AdamW would blow up into steps of size lr, different on any two summation orders.
+        layer = nn.TransformerEncoderLayer(
+            8, 2, dim_feedforward=16, dropout=0.0, batch_first=True, bias=False
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x.view(len(x), 4, 6))).mean(1))
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _bn_model():
+    # No bias before the BatchNorm: its gradient is rounding noise (BN removes the mean).
+    return nn.Sequential(nn.Linear(24, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+MODELS = {"mlp": _mlp, "bn": _bn_model, "transformer": TinyTransformer}
+
+
+def _data(n_train=N_TRAIN, n_valid=37):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_train + n_valid, 24, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 7] > 0).long()
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def _learner(model_name, bs, opt="adamw", cbs=()):
+    set_seed(0)  # same init and same data seed on every rank and in the baseline
+    train, valid = _data()
+    dls = DataLoaders(DataLoader(train, batch_size=bs, shuffle=True), DataLoader(valid, batch_size=8))
+    if opt == "sgd":
+        opt_func = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    else:
+        opt_func = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)  # noqa: E731
+    lr = 0.05 if opt == "sgd" else 0.01
+    model = MODELS[model_name]()
+    return Learner(dls, model, nn.CrossEntropyLoss(), opt_func=opt_func, lr=lr, metrics=[accuracy], cbs=cbs)
+
+
+def _weights(learn):
+    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _extra(name):
+    return {"": [], "acc": [GradientAccumulation(2)], "clip": [GradientClip(0.05)]}[name]
+
+
+def _fit(learn, n=2, **ctx):
+    with contextlib.redirect_stdout(io.StringIO()):
+        with learn.distrib_ctx(**ctx):
+            sharded_inside = is_sharded(learn.model)
+            dtensors = all(isinstance(p, DTensor) for p in learn.model.parameters())
+            learn.fit(n)
+            valid = learn.validate()
+            preds, _ = learn.get_preds()
+        return {"sharded": sharded_inside and dtensors, "valid": valid, "preds": preds}
+
+
+def _parity(model_name, opt, extra):
+    world = dist.get_world_size()
+    single = _learner(model_name, bs=8 * world, opt=opt, cbs=_extra(extra))
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(2)
+        expected_valid = single.validate()
+        expected_preds, _ = single.get_preds()
+    multi = _learner(model_name, bs=8, opt=opt, cbs=_extra(extra))
+    user_model = multi.model
+    got = _fit(multi, shard=True)
+    return {
+        "sharded": got["sharded"],
+        "diff": _max_diff(_weights(single), _weights(multi)),
+        "valid_diff": max(abs(a - b) for a, b in zip(expected_valid, got["valid"], strict=True)),
+        "preds_diff": float((expected_preds - got["preds"]).abs().max()),
+        # after the block: the user's own model object, plain tensors, a plain optimizer
+        "restored": multi.model is user_model
+        and not is_sharded(multi.model)
+        and not any(isinstance(p, DTensor) for p in multi.model.parameters())
+        and all(
+            p is q for p, q in zip(multi.opt.param_groups[0]["params"], user_model.parameters(), strict=True)
+        ),
+    }
+
+
+def _check(results):
+    for r in results:
+        assert r["sharded"] and r["restored"]
+        assert r["diff"] < 1e-5, r
+        assert r["valid_diff"] < 1e-5 and r["preds_diff"] < 1e-5, r
+
+
+def test_parity_mlp_adamw_and_sgd(pool2):
+    _check(pool2.run(_parity, "mlp", "adamw", ""))
+    _check(pool2.run(_parity, "mlp", "sgd", ""))
+
+
+def test_parity_transformer(pool2):
+    _check(pool2.run(_parity, "transformer", "adamw", ""))
+
+
+def test_parity_batchnorm_synced(pool2):
+    _check(pool2.run(_parity, "bn", "sgd", ""))
+
+
+def test_parity_gradient_accumulation_and_clipping(pool2):
+    _check(pool2.run(_parity, "mlp", "adamw", "acc"))
+    _check(pool2.run(_parity, "transformer", "sgd", "clip"))
+
+
+class _GradsAfterBackward(Callback):
+    """Records, per training batch, whether the sharded gradients exist right after backward."""
+
+    def __init__(self):
+        self.seen = []
+
+    def after_backward(self):
+        self.seen.append(all(p.grad is not None for p in self.learn.model.parameters()))
+
+
+def _no_reduce_on_micro_steps():
+    probe = _GradsAfterBackward()
+    learn = _learner("mlp", bs=8, cbs=[GradientAccumulation(2), probe])
+    _fit(learn, n=1, shard=True)
+    return probe.seen
+
+
+def test_accumulation_reduces_only_on_steps(pool2):
+    # 48 samples / (2 ranks x 8) = 3 batches: micro-step, step, and the epoch's last batch steps
+    for seen in pool2.run(_no_reduce_on_micro_steps):
+        assert seen == [False, True, True]
+
+
+def test_parity_three_ranks(pool3):
+    _check(pool3.run(_parity, "bn", "adamw", ""))
+
+
+def _sharded_vs_ddp():
+    ddp = _learner("transformer", bs=8)
+    with contextlib.redirect_stdout(io.StringIO()), ddp.distrib_ctx():
+        ddp.fit(2)
+    sharded = _learner("transformer", bs=8)
+    _fit(sharded, shard=True)
+    return _max_diff(_weights(ddp), _weights(sharded))
+
+
+def test_sharded_equals_ddp(pool2):
+    assert max(pool2.run(_sharded_vs_ddp)) < 1e-5
+
+
+def _memory_and_sync_bn():
+    learn = _learner("bn", bs=8)
+    total = sum(p.numel() for p in learn.model.parameters())
+    with learn.distrib_ctx(shard=True):
+        local = sum(p.to_local().numel() for p in learn.model.parameters())
+        sync_bn = isinstance(learn.model[1], SyncBatchNorm)
+        freed = all(p.numel() == 0 for p in learn.get_cb(ShardedTrainer)._original_model.parameters())
+    return {"total": total, "local": local, "sync_bn": sync_bn, "freed": freed}
+
+
+def test_each_rank_holds_its_shard_only(pool2):
+    results = pool2.run(_memory_and_sync_bn)
+    for r in results:
+        assert r["sync_bn"] and r["freed"]
+    assert sum(r["local"] for r in results) >= results[0]["total"]
+    assert max(r["local"] for r in results) <= results[0]["total"] // 2 + 16  # dim-0 shards, padded
+
+
+def test_block_policy():
+    blocks = select_blocks(TinyTransformer())
+    assert [type(b).__name__ for b in blocks] == [
+        "Linear",
+        "TransformerEncoderLayer",
+        "TransformerEncoderLayer",
+        "Linear",
+    ]
+    assert len(select_blocks(TinyTransformer(), [nn.TransformerEncoderLayer])) == 2
+    assert len(select_blocks(_mlp(), lambda m: isinstance(m, nn.Linear) and m.out_features == 16)) == 2
+    bn = _bn_model()
+    assert select_blocks(bn) == [bn[0], bn[3]]  # the BatchNorm stays with the root

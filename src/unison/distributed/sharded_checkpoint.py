@@ -18,9 +18,12 @@ state (position, RNG, recorder, callbacks) plus the size of every file, written 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,14 @@ def sharded_path(file: str | os.PathLike[str]) -> Path:
 def _no_dist(collective: Collective) -> bool:
     """One process (even inside a larger group) reads and writes alone."""
     return collective.world_size == 1 or not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no group: here that is what we asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -87,12 +98,12 @@ def save_sharded(
     token = collective.broadcast_object(secrets.token_hex(6))
     tmp = final.parent / f".{final.name}.tmp-{token}"
     state = _state(model, opt)
-    dcp.save(
-        state, checkpoint_id=tmp, no_dist=_no_dist(collective)
-    )  # returns once every rank's shards are written
+    with _quiet():  # returns once every rank's shards are written
+        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist(collective))
     if collective.is_main:
         sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
-        atomic_save({FORMAT_KEY: FORMAT_VERSION, "kind": "sharded", "files": sizes, **meta}, tmp / META_FILE)
+        record = {FORMAT_KEY: FORMAT_VERSION, "kind": "sharded", "files": sizes, "state": meta}
+        atomic_save(record, tmp / META_FILE)
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -137,7 +148,7 @@ def read_meta(directory: str | os.PathLike[str], model: nn.Module | None = None)
             raise CheckpointError(f"{path} is torn: {name} should have {size} bytes, found {found}, refused")
     if model is not None:
         _check_fits(path, model)
-    return meta
+    return meta["state"]
 
 
 def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
@@ -182,7 +193,8 @@ def load_sharded(
         k.startswith("optim.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     )
     state = _state(model, opt if saved_opt else None)
-    dcp.load(state, checkpoint_id=path, no_dist=_no_dist(collective))
+    with _quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=_no_dist(collective))
     if "optim" in state:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
@@ -225,5 +237,6 @@ def export_state_dict(directory: str | os.PathLike[str], file: str | os.PathLike
         for key, item in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
-    dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    with _quiet():
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     return atomic_save(weights, file)

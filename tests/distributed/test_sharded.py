@@ -2,7 +2,12 @@
 
 import contextlib
 import io
+import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -210,3 +215,19 @@ def test_block_policy():
     assert len(select_blocks(_mlp(), lambda m: isinstance(m, nn.Linear) and m.out_features == 16)) == 2
     bn = _bn_model()
     assert select_blocks(bn) == [bn[0], bn[3]]  # the BatchNorm stays with the root
+
+
+@pytest.mark.slow
+def test_readme_example_trains_sharded_on_two_processes(tmp_path):
+    """examples/train_sharded.py under `unison launch --nproc 2`: learns, checkpoints sharded, exports."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py"
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"valid_accuracy (\d\.\d+)", proc.stdout)
+    assert len(found) == 1 and float(found[0]) >= 0.95, proc.stdout
+    assert "equal to the trained model: True" in proc.stdout
+    shards = sorted(p.name for p in (tmp_path / "models" / "checkpoint.dcp").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    weights = torch.load(tmp_path / "models" / "weights.pth", weights_only=True)
+    assert weights["head.weight"].shape == (2, 32)

@@ -221,22 +221,33 @@ def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
     return True
 
 
-def export_state_dict(directory: str | os.PathLike[str], file: str | os.PathLike[str]) -> Path:
-    """Write the model weights of a sharded checkpoint as one plain `state_dict` file, for inference.
+def export_state_dict(checkpoint: str | os.PathLike[str], file: str | os.PathLike[str]) -> Path:
+    """Write the model weights of a checkpoint as one plain `state_dict` file, for inference.
 
-    Runs on one process, no process group needed: reads only the model's tensors.
+    `checkpoint` is a sharded folder (`.dcp`), a unison `.pth` file (`Learner.save`, `Checkpoint`),
+    or a `.pth` name whose sharded twin `.dcp` exists; of two, the newer is read. Runs on one
+    process with no process group, and reads only the model's tensors.
 
-    >>> export_state_dict("models/checkpoint.dcp", "model.pth")
+    >>> export_state_dict("models/checkpoint.pth", "model.pth")
     >>> model.load_state_dict(torch.load("model.pth", weights_only=True))
     """
-    path = Path(directory)
-    read_meta(path)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    path = Path(checkpoint)
+    folder = path if path.suffix == ".dcp" else find_sharded(sharded_path(path))
+    candidates = [
+        p for p in (folder, path if path.suffix != ".dcp" else None) if p is not None and p.exists()
+    ]
+    if not candidates:
+        raise CheckpointError(f"no checkpoint at {path} (nor a sharded one at {sharded_path(path)})")
+    newest = max(candidates, key=lambda p: p.stat().st_mtime)
+    if newest.is_file():
+        return atomic_save(safe_load(newest, map_location="cpu")["model"], file)
+    read_meta(newest)
+    metadata = dcp.FileSystemReader(newest).read_metadata()
     weights = {
         key[len("model.") :]: torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
     with _quiet():
-        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+        dcp.load({"model": weights}, checkpoint_id=newest, no_dist=True)
     return atomic_save(weights, file)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,9 +65,11 @@ def _learner(model_name, bs, opt="adamw", cbs=()):
     dls = DataLoaders(DataLoader(train, batch_size=bs, shuffle=True), DataLoader(valid, batch_size=8))
     if opt == "sgd":
         opt_func = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    elif opt == "plain-sgd":
+        opt_func = torch.optim.SGD
     else:
         opt_func = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)  # noqa: E731
-    lr = 0.05 if opt == "sgd" else 0.01
+    lr = 0.01 if opt == "adamw" else 0.05
     model = MODELS[model_name]()
     return Learner(dls, model, nn.CrossEntropyLoss(), opt_func=opt_func, lr=lr, metrics=[accuracy], cbs=cbs)
 
@@ -231,3 +234,115 @@ def test_readme_example_trains_sharded_on_two_processes(tmp_path):
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     weights = torch.load(tmp_path / "models" / "weights.pth", weights_only=True)
     assert weights["head.weight"].shape == (2, 32)
+
+
+def test_bad_options_are_refused_before_anything_changes():
+    learn = _learner("mlp", bs=8)
+    model = learn.model
+    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+        learn.to_distributed(shard=True, mixed_precision="int8")
+    with pytest.raises(TypeError, match="blocks must be nn.Module classes"):
+        learn.to_distributed(shard=True, blocks=5)
+    with pytest.raises(TypeError, match="blocks must be nn.Module classes"):
+        learn.to_distributed(shard=True, blocks=["Linear"])
+    assert learn.model is model and learn.get_cb(ShardedTrainer) is None
+
+
+def test_one_process_outside_a_launch_trains_plainly():
+    a, b = _learner("mlp", bs=16), _learner("mlp", bs=16)
+    with contextlib.redirect_stdout(io.StringIO()):
+        a.fit(1)
+        with b.distrib_ctx(shard=True):
+            assert not is_sharded(b.model)
+            b.fit(1)
+    assert _max_diff(_weights(a), _weights(b)) == 0
+
+
+def _mixed_precision_offload_lr_find():
+    world = dist.get_world_size()
+    single = _learner("mlp", bs=8 * world)
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(2)
+    # bf16 compute, float32 weights and gradient reduction
+    seen = []
+    mixed = _learner("mlp", bs=8)
+    mixed.model[2].register_forward_hook(lambda mod, inp, out: seen.append((inp[0].dtype, mod.weight.dtype)))
+    with contextlib.redirect_stdout(io.StringIO()), mixed.distrib_ctx(shard=True, mixed_precision="bf16"):
+        master = {p.dtype for p in mixed.model.parameters()}
+        mixed.fit(2)
+    # CPU offload (a plain copy on a CPU machine): exact
+    offload = _learner("mlp", bs=8)
+    _fit(offload, shard=True, cpu_offload=True)
+    # lr_find puts the sharded weights back as they were
+    finder = _learner("mlp", bs=8)
+    with contextlib.redirect_stdout(io.StringIO()), finder.distrib_ctx(shard=True):
+        before = get_model_state_dict(finder.model, options=StateDictOptions(full_state_dict=True))
+        finder.lr_find(num_it=3)
+        after = get_model_state_dict(finder.model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "master": master,
+        "compute": set(seen),
+        "mixed_diff": _max_diff(_weights(single), _weights(mixed)),
+        "offload_diff": _max_diff(_weights(single), _weights(offload)),
+        "lr_find_restored": _max_diff(before, after),
+    }
+
+
+def test_mixed_precision_cpu_offload_and_lr_find(pool2):
+    for r in pool2.run(_mixed_precision_offload_lr_find):
+        assert r["master"] == {torch.float32}
+        assert r["compute"] == {(torch.bfloat16, torch.bfloat16)}
+        assert 0 < r["mixed_diff"] < 0.05  # trained like float32, with bfloat16 rounding
+        assert r["offload_diff"] < 1e-5
+        assert r["lr_find_restored"] == 0
+
+
+class Routed(nn.Module):
+    """Two experts; each sample batch takes the one its mean picks, so ranks leave different ones unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.a(x) if x.mean() > 0 else self.b(x))
+
+
+def _routed():
+    return nn.Sequential(nn.Linear(24, 16), Routed(), Routed(), nn.Linear(16, 2))
+
+
+def _unused_vs_ddp():
+    # Plain SGD: a parameter no rank used gets a zero gradient here and none under DDP, which
+    # only momentum or weight decay would tell apart (see the README).
+    MODELS["routed"] = _routed
+    ddp = _learner("routed", bs=8, opt="plain-sgd")
+    with contextlib.redirect_stdout(io.StringIO()), ddp.distrib_ctx(find_unused_parameters=True):
+        ddp.fit(2)
+    sharded = _learner("routed", bs=8, opt="plain-sgd")
+    _fit(sharded, shard=True, find_unused_parameters=True)
+    return _max_diff(_weights(ddp), _weights(sharded)), float(_weights(ddp)["1.b.weight"].std())
+
+
+def test_find_unused_parameters_matches_ddp(pool2):
+    for diff, _ in pool2.run(_unused_vs_ddp):
+        assert diff < 1e-5
+
+
+def _two_contexts():
+    """The optimizer state moves onto the shards and back: two sharded fits equal one process's two fits."""
+    world = dist.get_world_size()
+    single = _learner("mlp", bs=8 * world)
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(1)
+        single.fit(1)
+    multi = _learner("mlp", bs=8)
+    _fit(multi, n=1, shard=True)
+    steps_between = {int(s["step"]) for s in multi.opt.state.values()}  # plain AdamW state again
+    _fit(multi, n=1, shard=True)
+    return _max_diff(_weights(single), _weights(multi)), steps_between
+
+
+def test_optimizer_state_survives_leaving_and_reentering(pool2):
+    for diff, steps in pool2.run(_two_contexts):
+        assert diff < 1e-5 and steps == {3}  # 48 samples / (2 x 8) = 3 steps

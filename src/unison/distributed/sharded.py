@@ -72,7 +72,10 @@ def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Modul
         return repeated_blocks(model)
     if callable(blocks) and not isinstance(blocks, type):
         return _outermost(model, blocks)
-    classes = tuple(blocks) if not isinstance(blocks, type) else (blocks,)
+    try:
+        classes = tuple(blocks) if not isinstance(blocks, type) else (blocks,)
+    except TypeError:
+        classes = ()
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(
             f"shard: blocks must be nn.Module classes or a function module -> bool, got {blocks!r}"
@@ -92,6 +95,34 @@ def _outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> list[nn
 
     visit(model)
     return found
+
+
+def _optimizer_state(
+    model: nn.Module, opt: torch.optim.Optimizer | None, options: StateDictOptions | None = None
+) -> dict[str, Any] | None:
+    """`opt`'s state keyed by parameter names, or None when it holds none yet (torch would
+    otherwise make some up by stepping it once with zero gradients)."""
+    if opt is None or not opt.state:
+        return None
+    return get_optimizer_state_dict(model, opt, options=options)
+
+
+def _rebuilt_optimizer(
+    learn: Any,
+    model: nn.Module,
+    old: torch.optim.Optimizer,
+    state: dict[str, Any] | None,
+    options: StateDictOptions | None,
+) -> torch.optim.Optimizer:
+    """A new optimizer of the learner's kind over `model`'s parameters, with `old`'s
+    hyper-parameters (a schedule may have changed them) and state."""
+    new = learn.opt_func(model.parameters(), lr=learn.lr)
+    if state is not None:
+        set_optimizer_state_dict(model, new, state, options=options)
+    else:
+        for group, old_group in zip(new.param_groups, old.param_groups, strict=True):
+            group.update({k: v for k, v in old_group.items() if k != "params"})
+    return new
 
 
 class ShardedTrainer(Callback):
@@ -123,6 +154,7 @@ class ShardedTrainer(Callback):
         find_unused_parameters: bool = False,
         reshard_after_forward: bool = True,
     ):
+        select_blocks(nn.Module(), blocks)  # a wrong policy fails here, before anything changes
         if isinstance(mixed_precision, str) and mixed_precision not in _DTYPES:
             raise ValueError(
                 f"shard: mixed_precision must be one of {sorted(_DTYPES)}, got {mixed_precision!r}"
@@ -173,7 +205,7 @@ class ShardedTrainer(Callback):
         if device.type == "cuda":
             original.to(device)
         # Keep the optimizer's state (a fit before this context) to move it onto the shards.
-        opt_state = get_optimizer_state_dict(original, learn.opt) if learn.opt is not None else None
+        opt_state = _optimizer_state(original, learn.opt)
         # The twin shares the user's Parameter and buffer objects: no second copy of the weights.
         shared = {id(t): t for t in (*original.parameters(), *original.buffers())}
         twin = copy.deepcopy(original, memo=shared)
@@ -191,8 +223,7 @@ class ShardedTrainer(Callback):
         for param in original.parameters():
             param.data = param.data.new_empty(0)
         if learn.opt is not None:
-            learn.opt = learn.opt_func(twin.parameters(), lr=learn.lr)
-            set_optimizer_state_dict(twin, learn.opt, opt_state, options=_FULL)
+            learn.opt = _rebuilt_optimizer(learn, twin, learn.opt, opt_state, _FULL)
         join_collective(learn, collective)
         self.monitor = RankMonitor(self.timeout)
 
@@ -207,14 +238,13 @@ class ShardedTrainer(Callback):
             if not self._sync:
                 twin.set_requires_gradient_sync(True)
             weights = get_model_state_dict(twin, options=_FULL)
-            opt_state = get_optimizer_state_dict(twin, learn.opt, options=_FULL) if learn.opt else None
+            opt_state = _optimizer_state(twin, learn.opt, _FULL)
             original = self._original_model
             for name, param in original.named_parameters():
                 param.data = weights[name].to(param.dtype)
             learn.model = original
-            if opt_state is not None:
-                learn.opt = learn.opt_func(original.parameters(), lr=learn.lr)
-                set_optimizer_state_dict(original, learn.opt, opt_state, options=_FULL)
+            if learn.opt is not None:
+                learn.opt = _rebuilt_optimizer(learn, original, learn.opt, opt_state, None)
         learn.set_collective(self._original_collective)
         self.active = False
         if self.created_group:

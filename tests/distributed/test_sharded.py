@@ -117,9 +117,7 @@ def _parity(model_name, opt, extra):
         "restored": multi.model is user_model
         and not is_sharded(multi.model)
         and not any(isinstance(p, DTensor) for p in multi.model.parameters())
-        and all(
-            p is q for p, q in zip(multi.opt.param_groups[0]["params"], user_model.parameters(), strict=True)
-        ),
+        and multi.opt is None,  # the sharded optimizer state is not gathered (a memory peak)
     }
 
 
@@ -329,20 +327,20 @@ def test_find_unused_parameters_matches_ddp(pool2):
         assert diff < 1e-5
 
 
-def _two_contexts():
-    """The optimizer state moves onto the shards and back: two sharded fits equal one process's two fits."""
+def _opt_onto_shards():
+    """An optimizer that already stepped moves onto the shards: 1 + 1 epochs equal one process's."""
     world = dist.get_world_size()
     single = _learner("mlp", bs=8 * world)
     with contextlib.redirect_stdout(io.StringIO()):
         single.fit(1)
         single.fit(1)
-    multi = _learner("mlp", bs=8)
+    multi = _learner("mlp", bs=8 * world)
+    with contextlib.redirect_stdout(io.StringIO()):
+        multi.fit(1)  # one process (every rank alike), then sharded with the same optimizer state
+    multi.dls.train = DataLoader(multi.dls.train.dataset, batch_size=8, shuffle=True)
     _fit(multi, n=1, shard=True)
-    steps_between = {int(s["step"]) for s in multi.opt.state.values()}  # plain AdamW state again
-    _fit(multi, n=1, shard=True)
-    return _max_diff(_weights(single), _weights(multi)), steps_between
+    return _max_diff(_weights(single), _weights(multi))
 
 
-def test_optimizer_state_survives_leaving_and_reentering(pool2):
-    for diff, steps in pool2.run(_two_contexts):
-        assert diff < 1e-5 and steps == {3}  # 48 samples / (2 x 8) = 3 steps
+def test_optimizer_state_moves_onto_the_shards(pool2):
+    assert max(pool2.run(_opt_onto_shards)) < 1e-5

@@ -6,14 +6,15 @@ time. The data side is DDP's: the same `Collective` shards every loader and redu
 metrics, so W sharded processes equal one process at the same global batch.
 
 The user's model object is kept: its parameters are shared with a sharded twin (a
-structural copy) and emptied (0 elements) while the twin trains; `restore()` gathers the trained
-weights and optimizer state back into plain tensors, so after the `with` block the
-model and optimizer are ordinary single-process objects again.
+structural copy) and emptied (0 elements) while the twin trains; `restore()` gathers
+the trained weights back into them, so after the `with` block the model is an ordinary
+single-process module again. The optimizer state is not gathered (see `restore`).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -169,6 +170,7 @@ class ShardedTrainer(Callback):
         self.active = False
         self.monitor: RankMonitor | None = None
         self._sync = True
+        self._failed = False
 
     # ---- set up and put back ----------------------------------------------------------
     def setup(self) -> None:
@@ -228,7 +230,7 @@ class ShardedTrainer(Callback):
         self.monitor = RankMonitor(self.timeout)
 
     def restore(self) -> None:
-        """Gather the trained weights (and optimizer state) back into the user's plain model."""
+        """Gather the trained weights back into the user's plain model; drop the sharded optimizer."""
         learn = self.learn
         if self.monitor is not None:
             self.monitor.stop()
@@ -237,14 +239,27 @@ class ShardedTrainer(Callback):
             twin = learn.model
             if not self._sync:
                 twin.set_requires_gradient_sync(True)
-            weights = get_model_state_dict(twin, options=_FULL)
-            opt_state = _optimizer_state(twin, learn.opt, _FULL)
             original = self._original_model
+            try:
+                weights = get_model_state_dict(twin, options=_FULL)
+            except Exception as exc:
+                if not self._failed:
+                    raise
+                # The block already failed (a rank died or stalled): its error is the one to see.
+                warnings.warn(
+                    f"the sharded weights could not be gathered back ({type(exc).__name__}): the model's "
+                    "parameters are empty; load the last checkpoint",
+                    stacklevel=2,
+                )
+                weights = {}
             for name, param in original.named_parameters():
-                param.data = weights[name].to(param.dtype)
+                if name in weights:
+                    param.data = weights[name].to(param.dtype)
             learn.model = original
-            if learn.opt is not None:
-                learn.opt = _rebuilt_optimizer(learn, original, learn.opt, opt_state, None)
+            # Not gathered: the optimizer state (twice the weights, for Adam) would make the end of
+            # training the peak of memory on every rank. The next fit starts a fresh optimizer;
+            # a checkpoint or `save` made inside the context keeps the state.
+            learn.opt = None
         learn.set_collective(self._original_collective)
         self.active = False
         if self.created_group:
@@ -275,5 +290,8 @@ class ShardedTrainer(Callback):
             self.monitor.progress(self.learn, 2)
 
     def diagnose(self) -> RankStalledError | None:
-        """After a failed collective: the rank that stopped taking part, if another one did."""
+        """After the `with` block failed: the rank that stopped taking part, if another one did.
+
+        Also remembers the failure, so that `restore` does not let a failing gather hide it."""
+        self._failed = True
         return self.monitor.diagnose() if self.monitor is not None else None

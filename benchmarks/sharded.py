@@ -1,11 +1,13 @@
 """Sharded (FSDP2) vs DDP: memory per rank and throughput, a 50M-parameter model on 2 CPU processes.
 
-    python benchmarks/sharded.py               # 3 interleaved rounds; updates its section of RESULTS.md
+    python benchmarks/sharded.py               # 2 interleaved rounds; updates its section of RESULTS.md
     python benchmarks/sharded.py --repeats 1 --no-write
 
-Each round launches `unison launch --nproc 2 benchmarks/sharded.py --worker ddp` and then
-`... --worker shard`: the same model, data, global batch and AdamW, with `distrib_ctx()`
-or `distrib_ctx(shard=True)`. Each rank reports, right after an optimizer step (when
+Each round launches `unison launch --nproc 2 benchmarks/sharded.py --worker MODE` for the
+modes ddp, shard and shard-keep: the same model, data, global batch and AdamW, with
+`distrib_ctx()`, `distrib_ctx(shard=True)` or `distrib_ctx(shard=True,
+reshard_after_forward=False)`, under a fixed malloc mmap threshold; then ddp and shard
+once more under glibc's default allocator settings. Each rank reports, right after an optimizer step (when
 weights, gradients and optimizer state all exist), the bytes of the parameters, gradients
 and optimizer state it holds, and its peak RSS; rank 0 reports training samples/s over
 the epochs after the first.
@@ -28,6 +30,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- sharded-benchmark:begin -->", "<!-- sharded-benchmark:end -->"
 DIM, HIDDEN, BLOCKS, BS, STEPS, EPOCHS = 1024, 4096, 6, 16, 6, 3
+MODES = ("ddp", "shard", "shard-keep")  # shard-keep: reshard_after_forward=False
+# glibc raises its mmap threshold to the size of freed blocks (up to 32 MB), after which
+# freed weight-sized buffers stay in the heap and in RSS; a fixed threshold returns them.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def worker(mode: str) -> None:
@@ -87,7 +93,8 @@ def worker(mode: str) -> None:
     measure = Measure()
     learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-4, cbs=[measure])
     learn.recorder.print_table = False
-    with learn.distrib_ctx(shard=mode == "shard"):
+    options = {"shard": True, "reshard_after_forward": mode == "shard"} if mode != "ddp" else {}
+    with learn.distrib_ctx(**options):
         learn.fit(EPOCHS)
         world = num_distrib()
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -106,65 +113,78 @@ def worker(mode: str) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(mode: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def launch(mode: str, malloc_env: dict[str, str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **malloc_env}
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", __file__, "--worker", mode]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     found = re.findall(r"RESULT (\{.*\})", proc.stdout)
     if proc.returncode != 0 or not found:
-        raise RuntimeError(
-            f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-        )
+        tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{tail}")
     return json.loads(found[0])
 
 
-def table(runs: dict[str, list[dict]]) -> str:
+def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) -> str:
     mb = 2**20
 
-    def med(mode: str, pick) -> float:
-        return statistics.median(pick(r) for r in runs[mode])
+    def med(results: list[dict], pick) -> float:
+        return statistics.median(pick(r) for r in results)
 
     def held(mode: str, key: str) -> float:
-        return med(mode, lambda r: max(rank["held"][key] for rank in r["ranks"])) / mb
+        return med(runs[mode], lambda r: max(rank["held"][key] for rank in r["ranks"])) / mb
+
+    def rss(results: list[dict]) -> float:
+        return med(results, lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
+
+    def row(name: str, values: list[float], fmt: str = "{:.0f}", bold: bool = False) -> str:
+        ratios = " / ".join(f"{v / values[0]:.2f}" for v in values[1:] if v == v)  # (NaN: not run)
+        cells = " | ".join(fmt.format(v) if v == v else "-" for v in values)
+        return f"| {name} | {cells} | {'**' + ratios + '**' if bold else ratios} |"
 
     first = runs["ddp"][0]
     lines = [
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {__import__('torch').__version__}, gloo; {len(runs['ddp'])} interleaved rounds; medians. "
-        f"Model: {first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual blocks {DIM}-{HIDDEN}-{DIM}), "
-        f"AdamW, {first['world']} processes x 1 thread, batch {BS} per process.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), Python "
+        f"{platform.python_version()}, torch {__import__('torch').__version__}, gloo; {len(runs['ddp'])} "
+        f"interleaved rounds; medians. Model: {first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual "
+        f"blocks {DIM}-{HIDDEN}-{DIM} and a head), AdamW, {first['world']} processes x 1 thread, batch {BS} "
+        "per process. Bytes are what each rank holds right after an optimizer step.",
         "",
-        "| per rank, after a step | DDP | sharded (FSDP2) | sharded / DDP |",
-        "| --- | ---: | ---: | ---: |",
+        "| per rank | DDP | sharded | sharded, `reshard_after_forward=False` | sharded / DDP (both) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for key, name in (("params", "parameters"), ("grads", "gradients"), ("opt", "AdamW state")):
-        d, s = held("ddp", key), held("shard", key)
-        lines.append(f"| {name} MB | {d:.0f} | {s:.0f} | {s / d:.2f} |")
-    d, s = held("ddp", "total"), held("shard", "total")
-    lines.append(f"| **parameters + gradients + optimizer MB** | {d:.0f} | {s:.0f} | **{s / d:.2f}** |")
-    d = med("ddp", lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
-    s = med("shard", lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
-    lines.append(f"| peak RSS MB (whole process) | {d:.0f} | {s:.0f} | {s / d:.2f} |")
-    d, s = med("ddp", lambda r: r["samples_per_s"]), med("shard", lambda r: r["samples_per_s"])
-    lines.append(f"| training samples/s | {d:.1f} | {s:.1f} | {s / d:.2f} |")
+    for key, name in (("params", "parameters MB"), ("grads", "gradients MB"), ("opt", "AdamW state MB")):
+        lines.append(row(name, [held(m, key) for m in MODES]))
+    lines.append(
+        row("**parameters + gradients + optimizer MB**", [held(m, "total") for m in MODES], bold=True)
+    )
+    lines.append(row(f"peak RSS MB, {FIXED_MALLOC}", [rss(runs[m]) for m in MODES]))
+    if default_malloc:
+        values = [rss(default_malloc[m]) for m in ("ddp", "shard")]
+        lines.append(row("peak RSS MB, glibc's default malloc", [*values, float("nan")]))
+    speeds = [med(runs[m], lambda r: r["samples_per_s"]) for m in MODES]
+    lines.append(row("training samples/s", speeds, fmt="{:.1f}"))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("ddp", "shard"))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", choices=MODES)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    runs: dict[str, list[dict]] = {"ddp": [], "shard": []}
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    default_malloc: dict[str, list[dict]] = {"ddp": [], "shard": []}
     for i in range(args.repeats):
-        for mode in ("ddp", "shard"):
-            runs[mode].append(launch(mode))
+        for mode in MODES:
+            runs[mode].append(launch(mode, FIXED_MALLOC))
             print(f"round {i + 1} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
-    text = table(runs)
+    for mode in default_malloc:  # one round: the RSS a user sees without the allocator setting
+        default_malloc[mode].append(launch(mode, {}))
+        print(f"default malloc {mode}: {json.dumps(default_malloc[mode][-1])}", flush=True)
+    text = table(runs, default_malloc)
     print(text)
     if not args.no_write:
         results = HERE / "RESULTS.md"

@@ -208,3 +208,33 @@ def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
         weights = torch.load(plain, weights_only=True)
         assert all(torch.all(t == meta["value"]) for t in weights.values()), meta["value"]
         assert meta["value"] >= 1
+
+
+def _plain_then_sharded(path):
+    """A one-process run's checkpoint (a plain file) resumes on two sharded processes."""
+    reference = _learner(path / "ref", 24)
+    _fit(reference)
+    if dist.get_rank() == 0:
+        first = _learner(path / "run", 24)
+        with pytest.raises(Stop):
+            _fit(first, cbs=[StopAt(3)])
+        first.save("plain")
+    dist.barrier()
+    resumed = _learner(path / "run", 12, init_seed=7)
+    with resumed.distrib_ctx(shard=True):
+        _fit(resumed, resume=True)
+    loaded = _learner(path / "run", 12, init_seed=8)
+    with loaded.distrib_ctx(shard=True):
+        loaded.load("plain")
+        has_opt_state = len(loaded.opt.state) == 5
+    plain = torch.load(path / "run" / "models" / "plain.pth", weights_only=True)["model"]
+    return (
+        _max_diff(_weights(reference), _weights(resumed)),
+        _max_diff(plain, _weights(loaded)),
+        has_opt_state,
+    )
+
+
+def test_a_plain_checkpoint_resumes_sharded(pool2, tmp_path):
+    for resumed_diff, loaded_diff, has_opt_state in pool2.run(_plain_then_sharded, tmp_path):
+        assert resumed_diff < 1e-5 and loaded_diff == 0 and has_opt_state

@@ -23,6 +23,7 @@ from unison.callbacks.core import Callback
 from unison.distributed.sharded import is_sharded
 from unison.distributed.sharded_checkpoint import (
     find_sharded,
+    load_full_into_sharded,
     load_sharded,
     read_meta,
     save_sharded,
@@ -152,6 +153,8 @@ class Checkpoint(Callback):
         assert learn.opt is not None
         if folder is not None:
             load_sharded(folder, learn.model, learn.opt, learn.collective)
+        elif is_sharded(learn.model):  # a one-process or DDP checkpoint, onto the shards
+            load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
         else:
             learn.raw_model.load_state_dict(state["model"])
             learn.opt.load_state_dict(state["opt"])

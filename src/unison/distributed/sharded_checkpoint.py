@@ -33,9 +33,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
@@ -199,6 +201,43 @@ def load_sharded(
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
+
+
+def load_full_into_sharded(
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    model_state: dict[str, Any],
+    opt_state: dict[str, Any] | None,
+) -> None:
+    """Load a plain checkpoint's full `state_dict`s (a one-process or DDP run's) into a sharded
+    model and its optimizer; each rank keeps its own slices.
+
+    >>> load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
+    """
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    if opt is None or opt_state is None:
+        return
+    # torch numbers an optimizer's parameters group by group, in the order it was given them:
+    # the same optimizer built over the same model numbers them the same way.
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    saved_groups, groups = opt_state["param_groups"], opt.param_groups
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        raise CheckpointError("the checkpoint's optimizer has other parameter groups than this learner's")
+    names = {
+        i: name_of[id(p)]
+        for saved, group in zip(saved_groups, groups, strict=True)
+        for i, p in zip(saved["params"], group["params"], strict=True)
+    }
+    if not any(torch.is_tensor(v) for s in opt_state["state"].values() for v in s.values()):
+        # No tensors to shard (plain SGD): the hyper-parameters are all there is.
+        for group, saved in zip(groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    by_name = {
+        "state": {names[i]: s for i, s in opt_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved_groups],
+    }
+    set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:

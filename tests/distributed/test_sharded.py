@@ -49,7 +49,24 @@ def _bn_model():
     return nn.Sequential(nn.Linear(24, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
 
 
-MODELS = {"mlp": _mlp, "bn": _bn_model, "transformer": TinyTransformer}
+class Tied(nn.Module):
+    """Two layers sharing one weight matrix (as an embedding and an output layer may)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.a, self.b, self.head = (
+            nn.Linear(24, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 2),
+        )
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(torch.relu(self.proj(x)))))))
+
+
+MODELS = {"mlp": _mlp, "bn": _bn_model, "transformer": TinyTransformer, "tied": Tied}
 
 
 def _data(n_train=N_TRAIN, n_valid=37):
@@ -216,6 +233,12 @@ def test_block_policy():
     assert len(select_blocks(_mlp(), lambda m: isinstance(m, nn.Linear) and m.out_features == 16)) == 2
     bn = _bn_model()
     assert select_blocks(bn) == [bn[0], bn[3]]  # the BatchNorm stays with the root
+    tied = Tied()
+    assert select_blocks(tied) == [tied.proj, tied.head]  # a and b share a weight: both stay with the root
+
+
+def test_parity_tied_weights(pool2):
+    _check(pool2.run(_parity, "tied", "adamw", ""))
 
 
 @pytest.mark.slow

@@ -56,16 +56,19 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     >>> [type(b).__name__ for b in repeated_blocks(mlp)]
     ['Linear', 'Linear']
     """
-    holders = [m for m in model.modules() if m is not model and any(True for _ in m.parameters())]
-    counts = Counter(type(m) for m in holders)
-    return _outermost(model, lambda m: counts[type(m)] > 1 and m in holders)
+    holders = {id(m): m for m in model.modules() if m is not model and any(True for _ in m.parameters())}
+    counts = Counter(type(m) for m in holders.values())
+    return _outermost(model, lambda m: counts[type(m)] > 1 and id(m) in holders)
 
 
 def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Module]:
     """The submodules `fully_shard` wraps one by one before the root, outermost first.
 
     `blocks` is None (the repeated classes, see `repeated_blocks`), classes, or a
-    function `module -> bool`; a selected module's own submodules are not searched.
+    function `module -> bool`; a selected module's own submodules are not searched. A
+    module whose parameters are tied to parameters outside it (an embedding shared with the
+    output layer) is never a block: FSDP needs each parameter in one group; its submodules
+    are searched instead.
 
     >>> select_blocks(model, [nn.TransformerEncoderLayer])
     """
@@ -84,12 +87,21 @@ def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Modul
     return _outermost(model, lambda m: isinstance(m, classes))
 
 
+def _registrations(module: nn.Module) -> Counter[int]:
+    """How many times each parameter is registered in `module` (more than once when tied)."""
+    return Counter(id(p) for m in module.modules(remove_duplicate=False) for p in m.parameters(recurse=False))
+
+
 def _outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> list[nn.Module]:
     found: list[nn.Module] = []
+    everywhere = _registrations(model)
+
+    def tied_outside(module: nn.Module) -> bool:
+        return any(everywhere[i] > n for i, n in _registrations(module).items())
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if chosen(child):
+            if chosen(child) and not tied_outside(child):
                 found.append(child)
             else:
                 visit(child)
@@ -162,10 +174,8 @@ class ShardedTrainer(Callback):
             )
         self.cuda_id, self.sync_bn, self.timeout, self.blocks = cuda_id, sync_bn, timeout, blocks
         self.mixed_precision, self.cpu_offload = mixed_precision, cpu_offload
-        self.find_unused_parameters, self.reshard_after_forward = (
-            find_unused_parameters,
-            reshard_after_forward,
-        )
+        self.find_unused_parameters = find_unused_parameters
+        self.reshard_after_forward = reshard_after_forward
         self.created_group = False
         self.active = False
         self.monitor: RankMonitor | None = None

@@ -22,12 +22,11 @@ import torch
 from unison.callbacks.core import Callback
 from unison.distributed.sharded import is_sharded
 from unison.distributed.sharded_checkpoint import (
-    find_sharded,
-    load_full_into_sharded,
-    load_sharded,
+    load_sharded_weights,
     read_meta,
     save_sharded,
     sharded_path,
+    sharded_source,
 )
 from unison.rng import get_rng_state, set_rng_state
 from unison.serialization import (
@@ -130,11 +129,10 @@ class Checkpoint(Callback):
     def restore_latest(self) -> bool:
         """Load the checkpoint into the learner and set where `fit` continues; False if there is none."""
         learn = self.learn
-        folder = find_sharded(sharded_path(self.file))  # a sharded run's checkpoint
-        if folder is not None and (is_sharded(learn.model) or not self.file.exists()):
+        folder = sharded_source(self.file, learn.model)  # a sharded run's checkpoint folder
+        if folder is not None:
             state = read_meta(folder, learn.model)
         elif self.file.exists():
-            folder = None
             state = safe_load(self.file, map_location=learn.device, kind="checkpoint")
             check_state_fits(learn.raw_model, state["model"], self.file)
         else:
@@ -151,11 +149,7 @@ class Checkpoint(Callback):
         if learn.opt is None:
             learn.create_opt()
         assert learn.opt is not None
-        if folder is not None:
-            load_sharded(folder, learn.model, learn.opt, learn.collective)
-        elif is_sharded(learn.model):  # a one-process or DDP checkpoint, onto the shards
-            load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
-        else:
+        if not load_sharded_weights(learn, folder, state):  # a plain checkpoint into a plain model
             learn.raw_model.load_state_dict(state["model"])
             learn.opt.load_state_dict(state["opt"])
         if state.get("scaler") is not None:

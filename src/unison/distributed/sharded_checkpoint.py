@@ -240,6 +240,28 @@ def load_full_into_sharded(
     set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
 
 
+def sharded_source(file: str | os.PathLike[str], model: nn.Module) -> Path | None:
+    """The sharded folder to resume `file` from: there is one, and the model is sharded or
+    there is no plain `file` (a plain file into a plain model is the usual path)."""
+    folder = find_sharded(sharded_path(file))
+    return (
+        folder if folder is not None and (isinstance(model, FSDPModule) or not Path(file).exists()) else None
+    )
+
+
+def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any]) -> bool:
+    """Load model and optimizer state for `Checkpoint.restore_latest` where sharding is involved:
+    from the sharded `folder`, or from a plain checkpoint's `state` onto a sharded model.
+    False when neither (a plain checkpoint into a plain model: the caller's business)."""
+    if folder is not None:
+        load_sharded(folder, learn.model, learn.opt, learn.collective)
+    elif isinstance(learn.model, FSDPModule):
+        load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
+    else:
+        return False
+    return True
+
+
 def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:
     """`Learner.save` for a sharded model: the folder `file` with suffix `.dcp`, every rank writing."""
     meta = {"with_opt": with_opt and learn.opt is not None}

@@ -45,7 +45,7 @@ from unison.data.batch import DataLoaders, cat_padded, take_rows, tensors_in, to
 from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
 from unison.distributed.sharded import is_sharded
-from unison.distributed.sharded_checkpoint import load_full_into_sharded, load_learner, save_learner
+from unison.distributed.sharded_checkpoint import load_learner, save_learner
 from unison.metrics import Metric, as_metric, batch_size_of
 from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 
@@ -476,18 +476,11 @@ class Learner:
     def load(self, name: str | Path, with_opt: bool = True, strict: bool = True) -> Learner:
         """Load what `save` wrote, mapped to this process's device; checked before anything changes."""
         file = self.model_file(name)
-        if load_learner(self, file, with_opt):  # what a sharded learner saved
+        if load_learner(self, file, with_opt):  # a sharded save, or a sharded learner
             return self
         state = safe_load(file, map_location=self.device, kind="model")
         if strict:
             check_state_fits(self.raw_model, state["model"], file)
-        if is_sharded(self.model):  # a plain file onto the shards: each rank keeps its slices
-            if with_opt and "opt" in state and self.opt is None:
-                self.create_opt()
-            load_full_into_sharded(
-                self.model, self.opt if with_opt else None, state["model"], state.get("opt")
-            )
-            return self
         self.raw_model.load_state_dict(state["model"], strict=strict)
         if with_opt and "opt" in state:
             if self.opt is None:

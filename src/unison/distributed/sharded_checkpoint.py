@@ -43,7 +43,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from unison.distributed.collective import Collective
-from unison.serialization import FORMAT_KEY, FORMAT_VERSION, CheckpointError, atomic_save, safe_load
+from unison.serialization import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointError,
+    atomic_save,
+    check_state_fits,
+    safe_load,
+)
 
 META_FILE = "unison.pth"
 
@@ -271,14 +278,25 @@ def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:
 
 
 def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
-    """`Learner.load` from a sharded save (sharded learner, or no plain file of that name); False if none."""
-    folder = sharded_path(file)
-    if not folder.is_dir() or not (isinstance(learn.model, FSDPModule) or not file.exists()):
+    """`Learner.load` where sharding is involved: a sharded save (`file` with suffix `.dcp`), or
+    a plain `file` onto a sharded learner (each rank keeps its slices). False when neither."""
+    folder = sharded_source(file, learn.model)
+    if folder is None and not isinstance(learn.model, FSDPModule):
         return False
-    read_meta(folder, learn.model)
-    if with_opt and learn.opt is None:
+    if folder is not None:
+        read_meta(folder, learn.model)
+        saved_opt = with_opt
+    else:
+        state = safe_load(file, map_location="cpu", kind="model")
+        check_state_fits(learn.raw_model, state["model"], file)
+        saved_opt = with_opt and "opt" in state
+    if saved_opt and learn.opt is None:
         learn.create_opt()
-    load_sharded(folder, learn.model, learn.opt if with_opt else None, learn.collective)
+    opt = learn.opt if saved_opt else None
+    if folder is not None:
+        load_sharded(folder, learn.model, opt, learn.collective)
+    else:
+        load_full_into_sharded(learn.model, opt, state["model"], state.get("opt"))
     return True
 
 

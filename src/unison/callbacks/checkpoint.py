@@ -109,7 +109,7 @@ class Checkpoint(Callback):
             else:
                 atomic_save(state, self.file)
         self.saves += 1
-        return self.file
+        return sharded_path(self.file) if sharded else self.file
 
     def _keys(self) -> list[tuple[str, Callback]]:
         """A stable name for each stateful callback: class name and its index among its kind."""

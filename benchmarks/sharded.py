@@ -157,7 +157,8 @@ def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) ->
     lines.append(
         row("**parameters + gradients + optimizer MB**", [held(m, "total") for m in MODES], bold=True)
     )
-    lines.append(row(f"peak RSS MB, {FIXED_MALLOC}", [rss(runs[m]) for m in MODES]))
+    fixed = " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items())
+    lines.append(row(f"peak RSS MB, `{fixed}`", [rss(runs[m]) for m in MODES]))
     if default_malloc:
         values = [rss(default_malloc[m]) for m in ("ddp", "shard")]
         lines.append(row("peak RSS MB, glibc's default malloc", [*values, float("nan")]))

@@ -16,8 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Checkpoint, DataLoaders, Learner, accuracy, set_seed
-from unison.distributed import rank_distrib
-from unison.distributed.sharded_checkpoint import export_state_dict
+from unison.distributed import export_state_dict, rank_distrib
 
 parser = argparse.ArgumentParser(description="A small transformer trained sharded with unison.")
 parser.add_argument("--epochs", type=int, default=2)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from unison.callbacks.core import Callback
@@ -223,7 +224,9 @@ class ShardedTrainer(Callback):
         twin = copy.deepcopy(original, memo=shared)
         if self.sync_bn:
             twin = convert_sync_batchnorm(twin)
-        kwargs = self._policies()
+        # The mesh names the device: torch's default is the machine's accelerator even when
+        # this job trains on CPU over gloo.
+        kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), **self._policies()}
         for block in reversed(select_blocks(twin, self.blocks)):  # bottom-up, as fully_shard requires
             fully_shard(block, **kwargs)
         fully_shard(twin, **kwargs)

@@ -40,7 +40,9 @@ from unison.distributed.watchdog import RankStalledError
 
 BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# float16 is left out: without loss scaling its gradients underflow (a MixedPrecisionPolicy
+# with float16 can still be passed, with the caller's own scaling).
+_DTYPES = {"bf16": torch.bfloat16}
 _FULL = StateDictOptions(full_state_dict=True)
 
 
@@ -143,8 +145,8 @@ class ShardedTrainer(Callback):
     """Train fully sharded (FSDP2) over the launch's processes; `to_distributed(shard=True)` attaches it.
 
     - `blocks`: which submodules are sharded as units (default: the repeated ones).
-    - `mixed_precision`: "bf16"/"fp16" (compute in that dtype, reduce gradients in float32,
-      keep float32 master weights), or a torch `MixedPrecisionPolicy`.
+    - `mixed_precision`: "bf16" (compute in bfloat16, reduce gradients in float32, keep
+      float32 master weights), or a torch `MixedPrecisionPolicy`.
     - `cpu_offload`: keep the shards and optimizer state in CPU memory (torch's `CPUOffloadPolicy`).
     - `find_unused_parameters`: ranks may leave different parameters without a gradient
       (reduce-scatters zeros for them, as DDP's option of that name).

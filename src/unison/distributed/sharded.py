@@ -171,6 +171,11 @@ class ShardedTrainer(Callback):
         reshard_after_forward: bool = True,
     ):
         select_blocks(nn.Module(), blocks)  # a wrong policy fails here, before anything changes
+        if mixed_precision == "fp16":
+            raise ValueError(
+                "shard: mixed_precision='fp16' is refused (without loss scaling its gradients underflow): "
+                "use 'bf16', or pass a torch MixedPrecisionPolicy"
+            )
         if isinstance(mixed_precision, str) and mixed_precision not in _DTYPES:
             raise ValueError(
                 f"shard: mixed_precision must be one of {sorted(_DTYPES)}, got {mixed_precision!r}"

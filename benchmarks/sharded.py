@@ -6,11 +6,11 @@
 Each round launches `unison launch --nproc 2 benchmarks/sharded.py --worker MODE` for the
 modes ddp, shard and shard-keep: the same model, data, global batch and AdamW, with
 `distrib_ctx()`, `distrib_ctx(shard=True)` or `distrib_ctx(shard=True,
-reshard_after_forward=False)`, under a fixed malloc mmap threshold; then ddp and shard
-once more under glibc's default allocator settings. Each rank reports, right after an optimizer step (when
-weights, gradients and optimizer state all exist), the bytes of the parameters, gradients
-and optimizer state it holds, and its peak RSS; rank 0 reports training samples/s over
-the epochs after the first.
+reshard_after_forward=False)`, under a fixed malloc mmap threshold; then ddp, shard and
+shard with `release_memory=False` once more without that variable. Each rank reports,
+right after an optimizer step (when weights, gradients and optimizer state all exist),
+the bytes of the parameters, gradients and optimizer state it holds, and its peak RSS;
+rank 0 reports training samples/s over the epochs after the first.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ def worker(mode: str) -> None:
     measure = Measure()
     learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-4, cbs=[measure])
     learn.recorder.print_table = False
-    options = {"shard": True, "reshard_after_forward": mode == "shard"} if mode != "ddp" else {}
+    options: dict = {}
+    if mode != "ddp":
+        options = {"shard": True, "reshard_after_forward": mode != "shard-keep"}
+        options["release_memory"] = mode != "shard-hold"
     with learn.distrib_ctx(**options):
         learn.fit(EPOCHS)
         world = num_distrib()
@@ -160,8 +163,10 @@ def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) ->
     fixed = " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items())
     lines.append(row(f"peak RSS MB, `{fixed}`", [rss(runs[m]) for m in MODES]))
     if default_malloc:
-        values = [rss(default_malloc[m]) for m in ("ddp", "shard")]
-        lines.append(row("peak RSS MB, glibc's default malloc", [*values, float("nan")]))
+        ddp, shard, hold = (rss(default_malloc[m]) for m in ("ddp", "shard", "shard-hold"))
+        nan = float("nan")
+        lines.append(row("peak RSS MB, no variable set (sharded: unison sets it)", [ddp, shard, nan]))
+        lines.append(row("peak RSS MB, no variable, `release_memory=False`", [ddp, hold, nan]))
     speeds = [med(runs[m], lambda r: r["samples_per_s"]) for m in MODES]
     lines.append(row("training samples/s", speeds, fmt="{:.1f}"))
     return "\n".join(lines)
@@ -169,7 +174,7 @@ def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=MODES)
+    parser.add_argument("--worker", choices=(*MODES, "shard-hold"))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
@@ -177,12 +182,12 @@ def main() -> None:
         worker(args.worker)
         return
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    default_malloc: dict[str, list[dict]] = {"ddp": [], "shard": []}
+    default_malloc: dict[str, list[dict]] = {"ddp": [], "shard": [], "shard-hold": []}
     for i in range(args.repeats):
         for mode in MODES:
             runs[mode].append(launch(mode, FIXED_MALLOC))
             print(f"round {i + 1} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
-    for mode in default_malloc:  # one round: the RSS a user sees without the allocator setting
+    for mode in default_malloc:  # one round without the variable: what a user sees
         default_malloc[mode].append(launch(mode, {}))
         print(f"default malloc {mode}: {json.dumps(default_malloc[mode][-1])}", flush=True)
     text = table(runs, default_malloc)

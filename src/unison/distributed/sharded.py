@@ -14,6 +14,8 @@ single-process module again. The optimizer state is not gathered (see `restore`)
 from __future__ import annotations
 
 import copy
+import ctypes
+import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -44,6 +46,28 @@ BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
 # with float16 can still be passed, with the caller's own scaling).
 _DTYPES = {"bf16": torch.bfloat16}
 _FULL = StateDictOptions(full_state_dict=True)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> bool:
+    """Have glibc hand large freed buffers back to the system (as `MALLOC_MMAP_THRESHOLD_=65536`).
+
+    By default glibc raises its mmap threshold to the size of any large block freed, up to
+    32 MB; then buffers that size are carved from its heap and stay in the process's memory
+    once freed. FSDP frees and re-gathers every block's weights at every step, so on a CPU
+    the process's memory grew past DDP's (measured in benchmarks/RESULTS.md). Applies to the
+    whole process; skipped when the variable is set (the user decided) or without glibc.
+
+    >>> return_freed_memory()
+    True
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 65536))
+    except (OSError, AttributeError):
+        return False
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -152,6 +176,7 @@ class ShardedTrainer(Callback):
       (reduce-scatters zeros for them, as DDP's option of that name).
     - `reshard_after_forward`: free each block's full weights after its forward (less memory,
       one more all-gather in backward).
+    - `release_memory`: on a CPU, have glibc return freed buffers (`return_freed_memory`).
 
     >>> with learn.distrib_ctx(shard=True):
     ...     learn.fit(3)
@@ -169,6 +194,7 @@ class ShardedTrainer(Callback):
         cpu_offload: bool = False,
         find_unused_parameters: bool = False,
         reshard_after_forward: bool = True,
+        release_memory: bool = True,
     ):
         select_blocks(nn.Module(), blocks)  # a wrong policy fails here, before anything changes
         if mixed_precision == "fp16":
@@ -184,6 +210,7 @@ class ShardedTrainer(Callback):
         self.mixed_precision, self.cpu_offload = mixed_precision, cpu_offload
         self.find_unused_parameters = find_unused_parameters
         self.reshard_after_forward = reshard_after_forward
+        self.release_memory = release_memory
         self.created_group = False
         self.active = False
         self.monitor: RankMonitor | None = None
@@ -224,6 +251,8 @@ class ShardedTrainer(Callback):
         collective = make_collective(learn, device)
         if device.type == "cuda":
             original.to(device)
+        elif self.release_memory:
+            return_freed_memory()
         # Keep the optimizer's state (a fit before this context) to move it onto the shards.
         opt_state = _optimizer_state(original, learn.opt)
         # The twin shares the user's Parameter and buffer objects: no second copy of the weights.

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Callback, DataLoaders, GradientAccumulation, GradientClip, Learner, accuracy, set_seed
 from unison.distributed import ShardedTrainer, SyncBatchNorm
-from unison.distributed.sharded import is_sharded, select_blocks
+from unison.distributed.sharded import is_sharded, return_freed_memory, select_blocks
 
 N_TRAIN = 48  # a multiple of W * bs for W = 2 and 3 (bs = 8)
 
@@ -378,3 +378,10 @@ def _opt_onto_shards():
 
 def test_optimizer_state_moves_onto_the_shards(pool2):
     assert max(pool2.run(_opt_onto_shards)) < 1e-5
+
+
+def test_return_freed_memory_respects_the_users_setting(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert return_freed_memory() is False  # the user decided: glibc is left alone
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert return_freed_memory() is (sys.platform == "linux")  # glibc accepted the setting

@@ -168,7 +168,13 @@ def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) ->
         lines.append(row("peak RSS MB, no variable set (sharded: unison sets it)", [ddp, shard, nan]))
         lines.append(row("peak RSS MB, no variable, `release_memory=False`", [ddp, hold, nan]))
     speeds = [med(runs[m], lambda r: r["samples_per_s"]) for m in MODES]
-    lines.append(row("training samples/s", speeds, fmt="{:.1f}"))
+    lines.append(row(f"training samples/s, `{fixed}`", speeds, fmt="{:.1f}"))
+    if default_malloc:
+        ddp, shard, hold = (med(default_malloc[m], lambda r: r["samples_per_s"]) for m in default_malloc)
+        lines.append(row("training samples/s, no variable set", [ddp, shard, nan], fmt="{:.1f}"))
+        lines.append(
+            row("training samples/s, no variable, `release_memory=False`", [ddp, hold, nan], fmt="{:.1f}")
+        )
     return "\n".join(lines)
 
 

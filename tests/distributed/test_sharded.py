@@ -15,7 +15,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Callback, DataLoaders, GradientAccumulation, GradientClip, Learner, accuracy, set_seed
+from unison import (
+    Callback,
+    DataLoaders,
+    GradientAccumulation,
+    GradientClip,
+    Learner,
+    TokenCrossEntropy,
+    accuracy,
+    set_seed,
+)
 from unison.distributed import ShardedTrainer, SyncBatchNorm
 from unison.distributed.sharded import is_sharded, return_freed_memory, select_blocks
 
@@ -385,3 +394,37 @@ def test_return_freed_memory_respects_the_users_setting(monkeypatch):
     assert return_freed_memory() is False  # the user decided: glibc is left alone
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert return_freed_memory() is (sys.platform == "linux")  # glibc accepted the setting
+
+
+def _token_learner(bs, n_train):
+    """Per-token logits scored by a token-mean `TokenCrossEntropy` with ignored (-100) labels."""
+    set_seed(0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n_train + 11, 4, 6, generator=g)
+    y = (x[..., 0] > 0).long() + (x[..., 1] > 0).long()
+    y[torch.rand(y.shape, generator=g) < 0.3] = -100  # rows hold different numbers of scored tokens
+    train, valid = TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+    dls = DataLoaders(DataLoader(train, batch_size=bs, shuffle=True), DataLoader(valid, batch_size=4))
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt_func = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)  # noqa: E731
+    return Learner(dls, model, TokenCrossEntropy(), opt_func=opt_func, lr=0.01)
+
+
+def _token_parity():
+    # 33 items at a global batch of 16: the last global batch holds 1 item, rank 1's share is empty.
+    single = _token_learner(16, 33)
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(2)
+    multi = _token_learner(8, 33)
+    with contextlib.redirect_stdout(io.StringIO()), multi.distrib_ctx(shard=True):
+        multi.fit(2)
+    return (
+        _max_diff(_weights(single), _weights(multi)),
+        max(abs(a - b) for a, b in zip(single.recorder.values[-1], multi.recorder.values[-1], strict=True)),
+        max(abs(a - b) for a, b in zip(single.recorder.losses, multi.recorder.losses, strict=True)),
+    )
+
+
+def test_parity_token_loss_with_an_uneven_last_batch(pool2):
+    for weights, epoch_values, batch_losses in pool2.run(_token_parity):
+        assert weights < 1e-5 and epoch_values < 1e-5 and batch_losses < 1e-5

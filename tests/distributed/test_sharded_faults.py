@@ -44,7 +44,8 @@ def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights(pool2, tmp
     )
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert re.search(r"restart|SIGKILL|Signals", killed.stderr, re.IGNORECASE), killed.stderr[-3000:]
-    assert digests(killed) == {"rank0": expected[0]}  # bit for bit, resumed from the sharded checkpoint
+    # Bit for bit, resumed from the sharded checkpoint; the launcher shows every rank's stdout.
+    assert digests(killed) == {"rank0": expected[0], "rank1": expected[0]}
 
 
 def test_a_stalled_rank_is_named_within_the_timeout(tmp_path):

@@ -62,6 +62,8 @@ from unison.data.loader import DistributedDL
 from unison.data.stream import StreamDL, loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
+from unison.distributed.sharded import is_sharded
+from unison.distributed.sharded_checkpoint import load_learner, save_learner
 from unison.exact_loss import ExactLoss
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
@@ -593,6 +595,8 @@ class Learner:
         PosixPath('models/stage1.pth')
         """
         file = self.model_file(name)
+        if is_sharded(self.model):  # every rank writes its own shards: name.dcp
+            return save_learner(self, file, with_opt)
         # Outside distrib_ctx the collective says rank 0 everywhere: the group or launcher decides.
         if self.collective.is_main and rank_distrib() == 0:
             state: dict[str, Any] = {
@@ -609,6 +613,8 @@ class Learner:
     def load(self, name: str | Path, with_opt: bool = True, strict: bool = True) -> Learner:
         """Load what `save` wrote, mapped to this process's device; checked before anything changes."""
         file = self.model_file(name)
+        if load_learner(self, file, with_opt):  # a sharded save, or a sharded learner
+            return self
         state = safe_load(file, map_location=self.device, kind="model")
         if strict:
             check_state_fits(self.raw_model, state["model"], file)
@@ -677,17 +683,22 @@ class Learner:
         sync_bn: bool = True,
         timeout: float | None = None,
         backend: str | None = None,
+        shard: bool = False,
         **ddp_kwargs: Any,
     ) -> Learner:
         """Train data-parallel across the processes of a launch (joins or makes the process group).
 
-        `backend="gloo"` trains on the CPU even where CUDA is available.
+        `backend="gloo"` trains on the CPU even where CUDA is available. `shard=True` shards
+        weights, gradients and optimizer state (FSDP2, see `ShardedTrainer`, whose options
+        `ddp_kwargs` then are).
 
         >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
         """
+        from unison.distributed.sharded import ShardedTrainer
         from unison.distributed.trainer import DistributedTrainer
 
-        trainer = DistributedTrainer(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
+        kind = ShardedTrainer if shard else DistributedTrainer
+        trainer = kind(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
         self.add_cb(trainer)
         try:
             trainer.setup()
@@ -698,9 +709,10 @@ class Learner:
 
     def detach_distributed(self) -> Learner:
         """Undo `to_distributed`: model, BatchNorm, loaders and logging as they were."""
+        from unison.distributed.sharded import ShardedTrainer
         from unison.distributed.trainer import DistributedTrainer
 
-        for cb in [c for c in self.cbs if isinstance(c, DistributedTrainer)]:
+        for cb in [c for c in self.cbs if isinstance(c, (DistributedTrainer, ShardedTrainer))]:
             cb.restore()
             self.remove_cb(cb)
         return self
@@ -712,23 +724,29 @@ class Learner:
         sync_bn: bool = True,
         timeout: float | None = None,
         backend: str | None = None,
+        shard: bool = False,
         **ddp_kwargs: Any,
     ) -> Iterator[Learner]:
         """`to_distributed` for the duration of a `with` block; a plain run outside a launch.
 
-        >>> with learn.distrib_ctx():
+        >>> with learn.distrib_ctx():          # or distrib_ctx(shard=True): FSDP2
         ...     learn.fit(3)
         """
+        from unison.distributed.sharded import ShardedTrainer
         from unison.distributed.trainer import DistributedTrainer
 
-        self.to_distributed(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
+        self.to_distributed(
+            cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, shard=shard, **ddp_kwargs
+        )
         try:
             yield self
         except Exception as exc:
             # A collective that failed because another rank stopped: say which one. (Only a
             # RuntimeError can be one: this rank's own ValueError/TypeError is its own cause.)
-            trainer = self.get_cb(DistributedTrainer)
-            failed_collective = isinstance(trainer, DistributedTrainer) and isinstance(exc, RuntimeError)
+            trainer = self.get_cb(ShardedTrainer) if shard else self.get_cb(DistributedTrainer)
+            failed_collective = isinstance(trainer, (DistributedTrainer, ShardedTrainer)) and isinstance(
+                exc, RuntimeError
+            )
             stalled = trainer.diagnose() if failed_collective else None
             if stalled is not None:
                 raise stalled from exc

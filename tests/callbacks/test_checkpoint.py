@@ -200,3 +200,33 @@ def test_checkpoint_holding_a_pickled_object_is_refused(tmp_path):
     torch.save({"unison_format": 1, "kind": "checkpoint", "model": _Payload()}, learn.get_cb(Checkpoint).file)
     with pytest.raises(CheckpointError, match="not plain tensors"):
         learn.fit(1, resume=True)
+
+
+def _write_on_two(path, at):
+    reference = _learner(path / "ref", 6, dropout=0.0)
+    with reference.distrib_ctx():
+        _fit(reference)
+    first = _learner(path / "run", 6, dropout=0.0)
+    with first.distrib_ctx(), pytest.raises(Stop):
+        _fit(first, cbs=[StopAt(at)])
+    return _weights(reference), reference.recorder.values
+
+
+def _resume_on_three(path):
+    resumed = _learner(path / "run", 4, init_seed=7, dropout=0.0)  # 3 x 4: the global batch of 2 x 6
+    with resumed.distrib_ctx():
+        _fit(resumed, resume=True)
+    return _weights(resumed), resumed.recorder.values
+
+
+def test_resume_on_more_processes_mid_epoch(pool2, pool3, tmp_path):
+    # Rank 0 takes the partial epoch's loss sums of both writers, ranks 1-2 start empty: their
+    # epoch sums must still have one dtype, or the all-reduce of the train loss mismatches.
+    reference, expected = pool2.run(_write_on_two, tmp_path, 2)[0]
+    for weights, got in pool3.run(_resume_on_three, tmp_path):
+        assert max(float((reference[k] - weights[k]).abs().max()) for k in reference) < 1e-5
+        assert all(
+            abs(g - e) < 1e-5
+            for row_g, row_e in zip(got, expected, strict=True)
+            for g, e in zip(row_g, row_e, strict=True)
+        )

@@ -20,6 +20,14 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
+from unison.distributed.sharded import is_sharded
+from unison.distributed.sharded_checkpoint import (
+    load_sharded_weights,
+    read_meta,
+    save_sharded,
+    sharded_path,
+    sharded_source,
+)
 from unison.rng import get_rng_state, set_rng_state
 from unison.serialization import (
     FORMAT_KEY,
@@ -86,13 +94,14 @@ class Checkpoint(Callback):
         rng_states = [rng for rng, _ in gathered]
         stream_states = [stream for _, stream in gathered]
         recorder_partial = learn.recorder.partial_state() if batches_done else None
-        if collective.is_main:
+        sharded = is_sharded(learn.model)  # then every rank writes its shards (sharded_checkpoint.py)
+        if collective.is_main or sharded:
             assert learn.opt is not None
             state: dict[str, Any] = {
                 FORMAT_KEY: FORMAT_VERSION,
                 "kind": "checkpoint",
-                "model": learn.raw_model.state_dict(),
-                "opt": learn.opt.state_dict(),
+                "model": None if sharded else learn.raw_model.state_dict(),
+                "opt": None if sharded else learn.opt.state_dict(),
                 "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
                 "epoch": epoch,
                 "samples_done": batches_done * (self._global_batch() or 1),
@@ -106,9 +115,12 @@ class Checkpoint(Callback):
                 "recorder_partial": recorder_partial,
                 "callbacks": self._callback_states(),
             }
-            atomic_save(state, self.file)
+            if sharded:
+                save_sharded(sharded_path(self.file), learn.model, learn.opt, state, collective)
+            else:
+                atomic_save(state, self.file)
         self.saves += 1
-        return self.file
+        return sharded_path(self.file) if sharded else self.file
 
     def _keys(self) -> list[tuple[str, Callback]]:
         """A stable name for each stateful callback: class name and its index among its kind."""
@@ -130,12 +142,16 @@ class Checkpoint(Callback):
         learn = self.learn
         if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
             remove_stale_temps(self.file)
-        if not self.file.exists():
+        folder = sharded_source(self.file, learn.model)  # a sharded run's checkpoint folder
+        if folder is not None:
+            state = read_meta(folder, learn.model)
+        elif self.file.exists():
+            # Loaded to the CPU, as Lightning does: generator states must be CPU byte tensors, and the
+            # recorder's sums mix with CPU ones; the model and optimizer copy theirs to their own device.
+            state = safe_load(self.file, map_location="cpu", kind="checkpoint")
+            check_state_fits(learn.raw_model, state["model"], self.file)
+        else:
             return False
-        # Loaded to the CPU, as Lightning does: generator states must be CPU byte tensors, and the
-        # recorder's sums mix with CPU ones; the model and optimizer copy theirs to their own device.
-        state = safe_load(self.file, map_location="cpu", kind="checkpoint")
-        check_state_fits(learn.raw_model, state["model"], self.file)
         global_batch = self._global_batch()
         samples = state["samples_done"]
         if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
@@ -147,11 +163,12 @@ class Checkpoint(Callback):
                 f"of the interrupted run ({state['global_batch']})"
             )
         # Everything is checked: now change the learner.
-        learn.raw_model.load_state_dict(state["model"])
         if learn.opt is None:
             learn.create_opt()
         assert learn.opt is not None
-        learn.opt.load_state_dict(state["opt"])
+        if not load_sharded_weights(learn, folder, state):  # a plain checkpoint into a plain model
+            learn.raw_model.load_state_dict(state["model"])
+            learn.opt.load_state_dict(state["opt"])
         if state.get("scaler") is not None:
             if learn.scaler is None:
                 learn.scaler = torch.amp.GradScaler("cuda")

@@ -129,8 +129,11 @@ class Recorder(Callback):
         return resumed + means.tolist()
 
     def _train_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far."""
-        total, count = self._carry
+        """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far.
+
+        Always float32: they are all-reduced, and a rank whose dtype followed its own data (a
+        carry resumed from another layout) would send other sizes than the rest (gloo aborts)."""
+        total, count = (t.float() for t in self._carry)
         if self._batch_losses:
             losses = _stack_on_last_device(self._batch_losses)
             sizes = torch.tensor(self._batch_sizes, dtype=losses.dtype, device=losses.device)
@@ -228,11 +231,8 @@ class Recorder(Callback):
         elif rank == 0:
             carry = torch.zeros(2)
             for r in ranks[1:]:
-                carry = (
-                    carry
-                    + r["carry"]
-                    + torch.stack([(r["losses"] * r["sizes"]).sum(), r["sizes"].sum().float()])
-                )
+                sums = torch.stack([(r["losses"].double() * r["sizes"]).sum(), r["sizes"].sum()])
+                carry = carry + r["carry"] + sums.float()  # float32, as every other rank's carry
             self._pending_partial = {**ranks[0], "carry": ranks[0]["carry"] + carry}
         else:
             self._pending_partial = empty

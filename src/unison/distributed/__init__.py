@@ -7,6 +7,8 @@ from unison.data.loader import DistributedDL
 from unison.distributed.collective import Collective
 from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
 from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
+from unison.distributed.sharded import ShardedTrainer, is_sharded
+from unison.distributed.sharded_checkpoint import export_state_dict
 from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.trainer import (
     DataParallel,
@@ -24,9 +26,12 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedTrainer",
     "ParallelTrainer",
+    "ShardedTrainer",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "export_state_dict",
     "is_main_process",
+    "is_sharded",
     "local_rank",
     "num_distrib",
     "rank0_first",

@@ -76,6 +76,119 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.module.reset()
 
 
+def training_device(learn: Any, cuda_id: int | None, backend: str | None = None) -> torch.device:
+    """The device a distributed learner trains on: the local rank's GPU (or `cuda_id`) under CUDA,
+    else the model's.
+
+    Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
+    place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
+    """
+    force_cpu = (backend or os.environ.get(BACKEND_ENV)) == "gloo"
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Launched: the local rank's GPU. A script's own processes without LOCAL_RANK (torch's
+    # mp.spawn): the GPU it bound with set_device.
+    raw = os.environ.get("LOCAL_RANK")
+    local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
+    group_backend = dist.get_backend() if group_active() else None
+    return pick_device(group_backend, cuda_id, local_rank, n_gpus, learn.device, force_cpu=force_cpu)
+
+
+def make_collective(learn: Any, device: torch.device, check_data: bool = True) -> Collective:
+    """The WORLD group's `Collective`, after checking every loader can be sharded and every rank
+    holds the same data."""
+    refuse_unshardable(learn, dist.get_world_size())
+    collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
+    check_loaders_agree(learn, collective, check_data)
+    return collective
+
+
+def refuse_unshardable(learn: Any, world_size: int) -> None:
+    """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
+    for name, dl in (("train", learn.dls.train), ("valid", learn.dls.valid)):
+        problem = shard_problem(dl) if dl is not None else None
+        if problem is not None:
+            raise ValueError(
+                f"distrib_ctx: the {name} loader (dls.{name}) cannot be sharded across "
+                f"{world_size} processes: {problem}"
+            )
+
+
+def join_collective(learn: Any, collective: Collective) -> None:
+    """Point `learn` at `collective` and give every rank rank 0's data seed (one data order)."""
+    learn.set_collective(collective)
+    learn.data_seed = collective.broadcast_object(learn.data_seed)
+
+
+def check_loaders_agree(learn: Any, collective: Collective, check_data: bool = True) -> None:
+    """Every rank must hold the same data: a loader of different length would desynchronise them,
+    and different items (random data made without `set_seed`, another file per node) would mix.
+    `check_data=False` compares lengths only (data meant to differ)."""
+    dls = (("train", learn.dls.train), ("valid", learn.dls.valid))
+    local = {
+        name: (
+            len(dl.dataset) if hasattr(dl.dataset, "__len__") else None,
+            dataset_fingerprint(dl.dataset) if check_data else None,
+        )
+        for name, dl in dls
+        if dl is not None
+    }
+    everyone = collective.gather_objects(local)
+    for name in local:
+        sizes = [per_rank[name][0] for per_rank in everyone]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"the {name} dataset differs across ranks (sizes by rank: {sizes}): every rank "
+                "must build the same dataset; DistributedDL gives each its share"
+            )
+        prints = [per_rank[name][1] for per_rank in everyone]
+        if None not in prints and len(set(prints)) > 1:
+            others = [r for r, p in enumerate(prints) if p != prints[0]]
+            where = ", ".join(map(str, fingerprint_positions(sizes[0] or 0)))
+            raise ValueError(
+                f"the {name} dataset differs across ranks: rank(s) {others} hold other items than "
+                f"rank 0 (same length {sizes[0]}; items compared at positions {where}): build the "
+                "data the same way on every rank (set_seed before making random data, the same "
+                "files on every node), or pass distrib_ctx(check_data=False) if it is meant to differ"
+            )
+
+
+class RankMonitor:
+    """One rank's part in "no hang": a barrier at each epoch that names who misses it, and
+    the `Watchdog`'s heartbeats, so a failed collective names the rank that stopped.
+    Shared by `DistributedTrainer` and `ShardedTrainer`.
+
+    >>> monitor = RankMonitor(timeout=60); monitor.epoch_barrier(); monitor.stop()
+    """
+
+    def __init__(self, timeout: float | None):
+        self.timeout = resolve_timeout(timeout)
+        # monitored_barrier names the ranks that miss it, but exists only on gloo.
+        self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # On NCCL a timed-out collective aborts the process instead of raising: the heartbeat thread
+        # names the missing rank and ends this process first.
+        self.watchdog = Watchdog(self.timeout, exit_on_stall=dist.get_backend() == "nccl")
+        self.watchdog.start()
+
+    def epoch_barrier(self) -> None:
+        """Everyone reaches each epoch, or the job fails naming who did not."""
+        wait = timedelta(seconds=self.timeout)
+        dist.monitored_barrier(group=self._barrier_group, timeout=wait, wait_all_ranks=True)
+
+    def progress(self, learn: Any, stage: int) -> None:
+        self.watchdog.progress(learn.epoch, 0 if learn.training else 1, learn.iter, stage)
+
+    def diagnose(self) -> RankStalledError | None:
+        """After a failed collective: the rank that stopped taking part, if another one did."""
+        found = self.watchdog.diagnose()
+        return found if found is not None and found.rank != dist.get_rank() else None
+
+    def stop(self) -> None:
+        self.watchdog.stop()
+        if self._barrier_group is not None:
+            dist.destroy_process_group(self._barrier_group)
+            self._barrier_group = None
+
+
 class DistributedTrainer(Callback):
     """Train data-parallel over the launch's processes; `Learner.to_distributed` attaches it.
 
@@ -105,8 +218,7 @@ class DistributedTrainer(Callback):
         self.created_group = False
         self.active = False
         self._converted = False
-        self.watchdog: Watchdog | None = None
-        self._barrier_group: dist.ProcessGroup | None = None
+        self.monitor: RankMonitor | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def setup(self) -> None:
@@ -133,9 +245,7 @@ class DistributedTrainer(Callback):
 
     def _wrap(self, device: torch.device) -> None:
         learn = self.learn
-        collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
-        self._refuse_unshardable(dist.get_world_size())
-        self._check_loaders_agree(collective)
+        collective = make_collective(learn, device, self.check_data)
         model = learn.model
         if self.sync_bn:
             model = convert_sync_batchnorm(model)
@@ -147,77 +257,19 @@ class DistributedTrainer(Callback):
                 kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
             model = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
         learn.model = model  # (a model with nothing to train needs no DDP, only sharded data)
-        learn.set_collective(collective)
-        # The data order must be the same on every rank: rank 0's seed wins.
-        learn.data_seed = collective.broadcast_object(learn.data_seed)
-        # monitored_barrier names the ranks that miss it, but exists only on gloo.
-        self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.watchdog = Watchdog(resolve_timeout(self.timeout), exit_on_stall=dist.get_backend() == "nccl")
-        self.watchdog.start()
+        join_collective(learn, collective)
+        self.monitor = RankMonitor(self.timeout)
 
     def _device(self) -> torch.device:
-        # Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
-        # place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
-        force_cpu = (self.backend or os.environ.get(BACKEND_ENV)) == "gloo"
-        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        # Launched: the local rank's GPU. A script's own processes without LOCAL_RANK (torch's
-        # mp.spawn): the GPU it bound with set_device.
-        raw = os.environ.get("LOCAL_RANK")
-        local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
-        backend = dist.get_backend() if group_active() else None
-        return pick_device(backend, self.cuda_id, local_rank, n_gpus, self.learn.device, force_cpu=force_cpu)
-
-    def _refuse_unshardable(self, world_size: int) -> None:
-        """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
-        for name, dl in (("train", self.learn.dls.train), ("valid", self.learn.dls.valid)):
-            problem = shard_problem(dl) if dl is not None else None
-            if problem is not None:
-                raise ValueError(
-                    f"distrib_ctx: the {name} loader (dls.{name}) cannot be sharded across "
-                    f"{world_size} processes: {problem}"
-                )
-
-    def _check_loaders_agree(self, collective: Collective) -> None:
-        """Every rank must hold the same data: a loader of different length would desynchronise them,
-        and different items (random data made without `set_seed`, another file per node) would mix."""
-        dls = (("train", self.learn.dls.train), ("valid", self.learn.dls.valid))
-        loaders = [(name, dl) for name, dl in dls if dl is not None]
-        local = {
-            name: (
-                len(dl.dataset) if hasattr(dl.dataset, "__len__") else None,
-                dataset_fingerprint(dl.dataset) if self.check_data else None,
-            )
-            for name, dl in loaders
-        }
-        everyone = collective.gather_objects(local)
-        for name in local:
-            sizes = [per_rank[name][0] for per_rank in everyone]
-            if len(set(sizes)) > 1:
-                raise ValueError(
-                    f"the {name} dataset differs across ranks (sizes by rank: {sizes}): every rank "
-                    "must build the same dataset; DistributedDL gives each its share"
-                )
-            prints = [per_rank[name][1] for per_rank in everyone]
-            if None not in prints and len(set(prints)) > 1:
-                others = [r for r, p in enumerate(prints) if p != prints[0]]
-                where = ", ".join(map(str, fingerprint_positions(sizes[0] or 0)))
-                raise ValueError(
-                    f"the {name} dataset differs across ranks: rank(s) {others} hold other items than "
-                    f"rank 0 (same length {sizes[0]}; items compared at positions {where}): build the "
-                    "data the same way on every rank (set_seed before making random data, the same "
-                    "files on every node), or pass distrib_ctx(check_data=False) if it is meant to differ"
-                )
+        return training_device(self.learn, self.cuda_id, self.backend)
 
     def before_epoch(self) -> None:
-        if self.active:
-            # Everyone reaches each epoch, or the job fails naming who did not.
-            wait = timedelta(seconds=resolve_timeout(self.timeout))
-            dist.monitored_barrier(group=self._barrier_group, timeout=wait, wait_all_ranks=True)
+        if self.monitor is not None:
+            self.monitor.epoch_barrier()
 
     def _at(self, stage: int) -> None:
-        if self.watchdog is not None:
-            learn = self.learn
-            self.watchdog.progress(learn.epoch, 0 if learn.training else 1, learn.iter, stage)
+        if self.monitor is not None:
+            self.monitor.progress(self.learn, stage)
 
     def before_batch(self) -> None:
         if not self.active:
@@ -235,10 +287,7 @@ class DistributedTrainer(Callback):
 
     def diagnose(self) -> RankStalledError | None:
         """After a failed collective: the rank that stopped taking part, if another one did."""
-        if self.watchdog is None:
-            return None
-        found = self.watchdog.diagnose()
-        return found if found is not None and found.rank != dist.get_rank() else None
+        return self.monitor.diagnose() if self.monitor is not None else None
 
     def after_batch(self) -> None:
         if self._no_sync is not None:
@@ -251,12 +300,9 @@ class DistributedTrainer(Callback):
         """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
         learn = self.learn
         self.after_batch()
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
-        if self._barrier_group is not None:
-            dist.destroy_process_group(self._barrier_group)
-            self._barrier_group = None
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
         if self._converted:
             revert_sync_batchnorm(learn.raw_model)  # in place: the user's model object is kept
             self._converted = False

@@ -1,0 +1,350 @@
+"""`ShardedTrainer`: sharded data parallel with torch's FSDP2 (`fully_shard`): `distrib_ctx(shard=True)`.
+
+Each rank keeps about 1/W of the weights, gradients and optimizer state. The model is
+sharded block by block, then at the root, so only one block's full weights exist at a
+time. The data side is DDP's: the same `Collective` shards every loader and reduces
+metrics, so W sharded processes equal one process at the same global batch.
+
+The user's model object is kept: its parameters are shared with a sharded twin (a
+structural copy) and emptied (0 elements) while the twin trains; `restore()` gathers
+the trained weights back into them, so after the `with` block the model is an ordinary
+single-process module again. The optimizer state is not gathered (see `restore`).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from unison.callbacks.core import Callback
+from unison.distributed.env import group_active
+from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.sync_bn import convert_sync_batchnorm
+from unison.distributed.trainer import RankMonitor, join_collective, make_collective, training_device
+from unison.distributed.watchdog import RankStalledError
+
+BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+# float16 is left out: without loss scaling its gradients underflow (a MixedPrecisionPolicy
+# with float16 can still be passed, with the caller's own scaling).
+_DTYPES = {"bf16": torch.bfloat16}
+_FULL = StateDictOptions(full_state_dict=True)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> bool:
+    """Have glibc hand large freed buffers back to the system (as `MALLOC_MMAP_THRESHOLD_=65536`).
+
+    By default glibc raises its mmap threshold to the size of any large block freed, up to
+    32 MB; then buffers that size are carved from its heap and stay in the process's memory
+    once freed. FSDP frees and re-gathers every block's weights at every step, so on a CPU
+    the process's memory grew past DDP's (measured in benchmarks/RESULTS.md). Applies to the
+    whole process; skipped when the variable is set (the user decided) or without glibc.
+
+    >>> return_freed_memory()
+    True
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 65536))
+    except (OSError, AttributeError):
+        return False
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` was sharded with `fully_shard` (its parameters are DTensor shards)."""
+    return isinstance(model, FSDPModule)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The default block policy: the outermost submodules whose class occurs more than once
+    among the modules that hold parameters (transformer layers, the Linear layers of an MLP).
+
+    >>> mlp = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> [type(b).__name__ for b in repeated_blocks(mlp)]
+    ['Linear', 'Linear']
+    """
+    holders = {id(m): m for m in model.modules() if m is not model and any(True for _ in m.parameters())}
+    counts = Counter(type(m) for m in holders.values())
+    return _outermost(model, lambda m: counts[type(m)] > 1 and id(m) in holders)
+
+
+def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Module]:
+    """The submodules `fully_shard` wraps one by one before the root, outermost first.
+
+    `blocks` is None (the repeated classes, see `repeated_blocks`), classes, or a
+    function `module -> bool`; a selected module's own submodules are not searched. A
+    module whose parameters are tied to parameters outside it (an embedding shared with the
+    output layer) is never a block: FSDP needs each parameter in one group; its submodules
+    are searched instead.
+
+    >>> select_blocks(model, [nn.TransformerEncoderLayer])
+    """
+    if blocks is None:
+        return repeated_blocks(model)
+    if callable(blocks) and not isinstance(blocks, type):
+        return _outermost(model, blocks)
+    try:
+        classes = tuple(blocks) if not isinstance(blocks, type) else (blocks,)
+    except TypeError:
+        classes = ()
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(
+            f"shard: blocks must be nn.Module classes or a function module -> bool, got {blocks!r}"
+        )
+    return _outermost(model, lambda m: isinstance(m, classes))
+
+
+def _registrations(module: nn.Module) -> Counter[int]:
+    """How many times each parameter is registered in `module` (more than once when tied)."""
+    return Counter(id(p) for m in module.modules(remove_duplicate=False) for p in m.parameters(recurse=False))
+
+
+def _outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    found: list[nn.Module] = []
+    everywhere = _registrations(model)
+
+    def tied_outside(module: nn.Module) -> bool:
+        return any(everywhere[i] > n for i, n in _registrations(module).items())
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if chosen(child) and not tied_outside(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _optimizer_state(
+    model: nn.Module, opt: torch.optim.Optimizer | None, options: StateDictOptions | None = None
+) -> dict[str, Any] | None:
+    """`opt`'s state keyed by parameter names, or None when it holds none yet (torch would
+    otherwise make some up by stepping it once with zero gradients)."""
+    if opt is None or not opt.state:
+        return None
+    return get_optimizer_state_dict(model, opt, options=options)
+
+
+def _rebuilt_optimizer(
+    learn: Any,
+    model: nn.Module,
+    old: torch.optim.Optimizer,
+    state: dict[str, Any] | None,
+    options: StateDictOptions | None,
+) -> torch.optim.Optimizer:
+    """A new optimizer of the learner's kind over `model`'s parameters, with `old`'s
+    hyper-parameters (a schedule may have changed them) and state."""
+    new = learn.opt_func(model.parameters(), lr=learn.lr)
+    if state is not None:
+        set_optimizer_state_dict(model, new, state, options=options)
+    else:
+        for group, old_group in zip(new.param_groups, old.param_groups, strict=True):
+            group.update({k: v for k, v in old_group.items() if k != "params"})
+    return new
+
+
+class ShardedTrainer(Callback):
+    """Train fully sharded (FSDP2) over the launch's processes; `to_distributed(shard=True)` attaches it.
+
+    - `blocks`: which submodules are sharded as units (default: the repeated ones).
+    - `mixed_precision`: "bf16" (compute in bfloat16, reduce gradients in float32, keep
+      float32 master weights), or a torch `MixedPrecisionPolicy`.
+    - `cpu_offload`: keep the shards and optimizer state in CPU memory (torch's `CPUOffloadPolicy`).
+    - `find_unused_parameters`: ranks may leave different parameters without a gradient
+      (reduce-scatters zeros for them, as DDP's option of that name).
+    - `reshard_after_forward`: free each block's full weights after its forward (less memory,
+      one more all-gather in backward).
+    - `release_memory`: on a CPU, have glibc return freed buffers (`return_freed_memory`).
+
+    >>> with learn.distrib_ctx(shard=True):
+    ...     learn.fit(3)
+    """
+
+    order = 1000  # last, as DistributedTrainer: it reads grad_sync after GradientAccumulation set it
+
+    def __init__(
+        self,
+        cuda_id: int | None = None,
+        sync_bn: bool = True,
+        timeout: float | None = None,
+        blocks: BlockPolicy = None,
+        mixed_precision: str | MixedPrecisionPolicy | None = None,
+        cpu_offload: bool = False,
+        find_unused_parameters: bool = False,
+        reshard_after_forward: bool = True,
+        release_memory: bool = True,
+        check_data: bool = True,
+        backend: str | None = None,
+    ):
+        select_blocks(nn.Module(), blocks)  # a wrong policy fails here, before anything changes
+        if mixed_precision == "fp16":
+            raise ValueError(
+                "shard: mixed_precision='fp16' is refused (without loss scaling its gradients underflow): "
+                "use 'bf16', or pass a torch MixedPrecisionPolicy"
+            )
+        if isinstance(mixed_precision, str) and mixed_precision not in _DTYPES:
+            raise ValueError(
+                f"shard: mixed_precision must be one of {sorted(_DTYPES)}, got {mixed_precision!r}"
+            )
+        self.cuda_id, self.sync_bn, self.timeout, self.blocks = cuda_id, sync_bn, timeout, blocks
+        self.mixed_precision, self.cpu_offload = mixed_precision, cpu_offload
+        self.find_unused_parameters = find_unused_parameters
+        self.check_data = check_data  # False: ranks may hold different data on purpose (same lengths)
+        self.backend = backend  # "gloo": train on the CPU even where CUDA is available
+        self.reshard_after_forward = reshard_after_forward
+        self.release_memory = release_memory
+        self.created_group = False
+        self.active = False
+        self.monitor: RankMonitor | None = None
+        self._sync = True
+        self._failed = False
+
+    # ---- set up and put back ----------------------------------------------------------
+    def setup(self) -> None:
+        learn = self.learn
+        self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout, backend=self.backend)
+        self._original_model = learn.raw_model
+        self._original_collective = learn.collective
+        if not group_active() or dist.get_world_size() == 1:
+            return  # one process: nothing to shard
+        try:
+            self._shard()
+        except BaseException:
+            self.restore()  # a refused setup leaves the learner as it was
+            raise
+        self.active = True
+
+    def _policies(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        mp = self.mixed_precision
+        if isinstance(mp, str):
+            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[mp], reduce_dtype=torch.float32)
+        if mp is not None:
+            kwargs["mp_policy"] = mp
+        if self.cpu_offload:
+            # Pinned memory needs an accelerator; on a CPU-only machine offload is a plain copy.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return kwargs
+
+    def _shard(self) -> None:
+        learn = self.learn
+        original = self._original_model
+        device = training_device(learn, self.cuda_id, self.backend)
+        collective = make_collective(learn, device, self.check_data)
+        if device.type == "cuda":
+            original.to(device)
+        elif self.release_memory:
+            return_freed_memory()
+        # Keep the optimizer's state (a fit before this context) to move it onto the shards.
+        opt_state = _optimizer_state(original, learn.opt)
+        # The twin shares the user's Parameter and buffer objects: no second copy of the weights.
+        shared = {id(t): t for t in (*original.parameters(), *original.buffers())}
+        twin = copy.deepcopy(original, memo=shared)
+        if self.sync_bn:
+            twin = convert_sync_batchnorm(twin)
+        # The mesh names the device: torch's default is the machine's accelerator even when
+        # this job trains on CPU over gloo.
+        kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), **self._policies()}
+        for block in reversed(select_blocks(twin, self.blocks)):  # bottom-up, as fully_shard requires
+            fully_shard(block, **kwargs)
+        fully_shard(twin, **kwargs)
+        assert isinstance(twin, FSDPModule)
+        if self.find_unused_parameters:
+            twin.set_reduce_scatter_unused_params(True)
+        learn.model = twin
+        # The shards are copies: free the user's full weights while the twin trains.
+        for param in original.parameters():
+            param.data = param.data.new_empty(0)
+        if learn.opt is not None:
+            learn.opt = _rebuilt_optimizer(learn, twin, learn.opt, opt_state, _FULL)
+        join_collective(learn, collective)
+        self.monitor = RankMonitor(self.timeout)
+
+    def restore(self) -> None:
+        """Gather the trained weights back into the user's plain model; drop the sharded optimizer."""
+        learn = self.learn
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        if is_sharded(learn.model):
+            twin = learn.model
+            if not self._sync:
+                twin.set_requires_gradient_sync(True)
+            original = self._original_model
+            try:
+                weights = get_model_state_dict(twin, options=_FULL)
+            except Exception as exc:
+                if not self._failed:
+                    raise
+                # The block already failed (a rank died or stalled): its error is the one to see.
+                warnings.warn(
+                    f"the sharded weights could not be gathered back ({type(exc).__name__}): the model's "
+                    "parameters are empty; load the last checkpoint",
+                    stacklevel=2,
+                )
+                weights = {}
+            for name, param in original.named_parameters():
+                if name in weights:
+                    param.data = weights[name].to(param.dtype)
+            learn.model = original
+            # Not gathered: the optimizer state (twice the weights, for Adam) would make the end of
+            # training the peak of memory on every rank. The next fit starts a fresh optimizer;
+            # a checkpoint or `save` made inside the context keeps the state.
+            learn.opt = None
+        learn.set_collective(self._original_collective)
+        self.active = False
+        if self.created_group:
+            teardown_distrib()
+            self.created_group = False
+
+    # ---- the loop ---------------------------------------------------------------------
+    def before_epoch(self) -> None:
+        if self.monitor is not None:
+            self.monitor.epoch_barrier()
+
+    def before_batch(self) -> None:
+        if not self.active:
+            return
+        self.monitor.progress(self.learn, 0)  # type: ignore[union-attr]
+        # Accumulation micro-steps keep their gradients local: one reduce-scatter per step.
+        sync = self.learn.grad_sync or not self.learn.training
+        if sync != self._sync:
+            self.learn.model.set_requires_gradient_sync(sync)
+            self._sync = sync
+
+    def before_backward(self) -> None:
+        if self.monitor is not None:
+            self.monitor.progress(self.learn, 1)
+
+    def after_step(self) -> None:
+        if self.monitor is not None:
+            self.monitor.progress(self.learn, 2)
+
+    def diagnose(self) -> RankStalledError | None:
+        """After the `with` block failed: the rank that stopped taking part, if another one did.
+
+        Also remembers the failure, so that `restore` does not let a failing gather hide it."""
+        self._failed = True
+        return self.monitor.diagnose() if self.monitor is not None else None

@@ -1,0 +1,332 @@
+"""Checkpoints of sharded models: `torch.distributed.checkpoint` (DCP), one writer per shard, atomic.
+
+A sharded checkpoint is a folder (`name.dcp`) holding DCP's shard files (each rank writes
+its own: no full gather on rank 0), DCP's `.metadata`, and `unison.pth`: the run's other
+state (position, RNG, recorder, callbacks) plus the size of every file, written last.
+
+- Atomic: everything is written into a hidden temporary folder, which is renamed over
+  the last checkpoint only once complete; a save killed at any point leaves the last good
+  checkpoint in place (or, killed between the two renames, beside it, and found there).
+- Checked: a folder without `unison.pth`, or with a file missing or of the wrong size, is
+  refused with a one-line reason; so is one whose tensors do not fit the model.
+- Resharded: DCP reads whatever slice each rank needs, so a checkpoint written on W
+  processes loads on any number, sharded or not (one process gets plain full tensors).
+
+>>> save_sharded(Path("models/run.dcp"), learn.model, learn.opt, {"epoch": 3}, learn.collective)
+>>> export_state_dict(Path("models/run.dcp"), Path("models/run_weights.pth"))   # for inference
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from unison.distributed.collective import Collective
+from unison.serialization import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointError,
+    atomic_save,
+    check_state_fits,
+    safe_load,
+)
+
+META_FILE = "unison.pth"
+
+
+def sharded_path(file: str | os.PathLike[str]) -> Path:
+    """Where the sharded form of checkpoint `file` lives: the same name with `.dcp`."""
+    return Path(file).with_suffix(".dcp")
+
+
+def _no_dist(collective: Collective) -> bool:
+    """One process (even inside a larger group) reads and writes alone."""
+    return collective.world_size == 1 or not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no group: here that is what we asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves or loads in place: the model's (and optimizer's) state, shards where sharded."""
+    if opt is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, opt_state = get_state_dict(model, opt)  # allocates a fresh optimizer's state
+    return {"model": model_state, "optim": opt_state}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    meta: dict[str, Any],
+    collective: Collective,
+) -> Path:
+    """Write `model` and `opt` (sharded or not) and `meta` to the folder `directory`, atomically.
+
+    A collective: every rank calls it. Each rank writes its own shards; rank 0 writes `meta`.
+
+    >>> save_sharded("models/checkpoint.dcp", learn.model, learn.opt, {"epoch": 1}, learn.collective)
+    """
+    final = Path(directory)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    token = collective.broadcast_object(secrets.token_hex(6))
+    tmp = final.parent / f".{final.name}.tmp-{token}"
+    state = _state(model, opt)
+    with _quiet():  # returns once every rank's shards are written
+        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist(collective))
+    if collective.is_main:
+        sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
+        record = {FORMAT_KEY: FORMAT_VERSION, "kind": "sharded", "files": sizes, "state": meta}
+        atomic_save(record, tmp / META_FILE)
+        for f in tmp.iterdir():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(tmp)
+        old = final.parent / f".{final.name}.old-{token}"
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in final.parent.glob(f".{final.name}.*-*"):  # left by killed saves
+            shutil.rmtree(stale, ignore_errors=True)
+    collective.barrier()  # nobody reads the checkpoint before it is in place
+    return final
+
+
+def find_sharded(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint folder to read for `directory`: itself, or the previous one a save killed
+    between its two renames left aside; None when there is neither."""
+    final = Path(directory)
+    if final.exists():
+        return final
+    aside = sorted(final.parent.glob(f".{final.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    return aside[-1] if aside else None
+
+
+def read_meta(directory: str | os.PathLike[str], model: nn.Module | None = None) -> dict[str, Any]:
+    """Check that the folder is a complete sharded checkpoint (and fits `model`); return its meta state.
+
+    Raises `CheckpointError` with a one-line reason; reads no tensor data.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"no sharded checkpoint at {path}")
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(f"{path} is incomplete (no {META_FILE}: its save was interrupted), refused")
+    meta = safe_load(path / META_FILE, kind="sharded")
+    for name, size in meta["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            found = file.stat().st_size if file.is_file() else "missing"
+            raise CheckpointError(f"{path} is torn: {name} should have {size} bytes, found {found}, refused")
+    if model is not None:
+        _check_fits(path, model)
+    return meta["state"]
+
+
+def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {
+        key[len("model.") :]: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def _check_fits(path: Path, model: nn.Module) -> None:
+    stored = _stored_model_tensors(path)
+    own = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    missing, unexpected = sorted(set(own) - set(stored)), sorted(set(stored) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not fit this model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
+    for key, shape in own.items():
+        if stored[key] != shape:
+            raise CheckpointError(
+                f"{path} does not fit this model: {key} has shape {stored[key]}, the model has {shape}"
+            )
+
+
+def load_sharded(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    collective: Collective,
+) -> None:
+    """Read model (and optimizer, when given and saved) state from a sharded checkpoint into
+    `model`, sharded or not, on any number of processes: each rank reads the slices it holds.
+    Check with `read_meta` first. A collective: every rank calls it.
+
+    >>> load_sharded("models/checkpoint.dcp", learn.model, learn.opt, learn.collective)
+    """
+    path = Path(directory)
+    saved_opt = any(
+        k.startswith("optim.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    )
+    state = _state(model, opt if saved_opt else None)
+    with _quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=_no_dist(collective))
+    if "optim" in state:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+
+
+def load_full_into_sharded(
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    model_state: dict[str, Any],
+    opt_state: dict[str, Any] | None,
+) -> None:
+    """Load a plain checkpoint's full `state_dict`s (a one-process or DDP run's) into a sharded
+    model and its optimizer; each rank keeps its own slices.
+
+    >>> load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
+    """
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    if opt is None or opt_state is None:
+        return
+    # torch numbers an optimizer's parameters group by group, in the order it was given them:
+    # the same optimizer built over the same model numbers them the same way.
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    saved_groups, groups = opt_state["param_groups"], opt.param_groups
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        raise CheckpointError("the checkpoint's optimizer has other parameter groups than this learner's")
+    names = {
+        i: name_of[id(p)]
+        for saved, group in zip(saved_groups, groups, strict=True)
+        for i, p in zip(saved["params"], group["params"], strict=True)
+    }
+    if not any(torch.is_tensor(v) for s in opt_state["state"].values() for v in s.values()):
+        # No tensors to shard (plain SGD): the hyper-parameters are all there is.
+        for group, saved in zip(groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    by_name = {
+        "state": {names[i]: s for i, s in opt_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved_groups],
+    }
+    set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_source(file: str | os.PathLike[str], model: nn.Module) -> Path | None:
+    """The sharded folder to resume `file` from: there is one, and the model is sharded or
+    there is no plain `file` (a plain file into a plain model is the usual path)."""
+    folder = find_sharded(sharded_path(file))
+    return (
+        folder if folder is not None and (isinstance(model, FSDPModule) or not Path(file).exists()) else None
+    )
+
+
+def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any]) -> bool:
+    """Load model and optimizer state for `Checkpoint.restore_latest` where sharding is involved:
+    from the sharded `folder`, or from a plain checkpoint's `state` onto a sharded model.
+    False when neither (a plain checkpoint into a plain model: the caller's business)."""
+    if folder is not None:
+        load_sharded(folder, learn.model, learn.opt, learn.collective)
+    elif isinstance(learn.model, FSDPModule):
+        load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
+    else:
+        return False
+    return True
+
+
+def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:
+    """`Learner.save` for a sharded model: the folder `file` with suffix `.dcp`, every rank writing."""
+    meta = {"with_opt": with_opt and learn.opt is not None}
+    return save_sharded(
+        sharded_path(file), learn.model, learn.opt if with_opt else None, meta, learn.collective
+    )
+
+
+def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
+    """`Learner.load` where sharding is involved: a sharded save (`file` with suffix `.dcp`), or
+    a plain `file` onto a sharded learner (each rank keeps its slices). False when neither."""
+    folder = sharded_source(file, learn.model)
+    if folder is None and not isinstance(learn.model, FSDPModule):
+        return False
+    if folder is not None:
+        read_meta(folder, learn.model)
+        saved_opt = with_opt
+    else:
+        state = safe_load(file, map_location="cpu", kind="model")
+        check_state_fits(learn.raw_model, state["model"], file)
+        saved_opt = with_opt and "opt" in state
+    if saved_opt and learn.opt is None:
+        learn.create_opt()
+    opt = learn.opt if saved_opt else None
+    if folder is not None:
+        load_sharded(folder, learn.model, opt, learn.collective)
+    else:
+        load_full_into_sharded(learn.model, opt, state["model"], state.get("opt"))
+    return True
+
+
+def export_state_dict(checkpoint: str | os.PathLike[str], file: str | os.PathLike[str]) -> Path:
+    """Write the model weights of a checkpoint as one plain `state_dict` file, for inference.
+
+    `checkpoint` is a sharded folder (`.dcp`), a unison `.pth` file (`Learner.save`, `Checkpoint`),
+    or a `.pth` name whose sharded twin `.dcp` exists; of two, the newer is read. Runs on one
+    process with no process group, and reads only the model's tensors.
+
+    >>> export_state_dict("models/checkpoint.pth", "model.pth")
+    >>> model.load_state_dict(torch.load("model.pth", weights_only=True))
+    """
+    path = Path(checkpoint)
+    folder = path if path.suffix == ".dcp" else find_sharded(sharded_path(path))
+    candidates = [
+        p for p in (folder, path if path.suffix != ".dcp" else None) if p is not None and p.exists()
+    ]
+    if not candidates:
+        raise CheckpointError(f"no checkpoint at {path} (nor a sharded one at {sharded_path(path)})")
+    newest = max(candidates, key=lambda p: p.stat().st_mtime)
+    if newest.is_file():
+        return atomic_save(safe_load(newest, map_location="cpu")["model"], file)
+    read_meta(newest)
+    metadata = dcp.FileSystemReader(newest).read_metadata()
+    weights = {
+        key[len("model.") :]: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    with _quiet():
+        dcp.load({"model": weights}, checkpoint_id=newest, no_dist=True)
+    return atomic_save(weights, file)

@@ -214,8 +214,9 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     plan = launch_mod.plan_launch(elastic, "/x")
     assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("c10d", 1, 2)
     assert plan.config.run_id == "unison" and plan.config.local_addr == "127.0.0.1"
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan.env
-    # restarts: each attempt gets a fresh store (pytorch#135712); one machine on a fixed port included
+    # every c10d round (a restart, a node joining) gets a fresh store (pytorch#135712), so the
+    # workers' keys need no per-round value, which the nodes would not agree on (restart counts)
+    assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     again = launch_mod.plan_launch(launch_mod.parse_options(["--max-restarts", "2", script]), "/x")
     assert again.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and again.config.max_restarts == 2
     fixed = launch_mod.parse_options(["--master-port", port, "--max-restarts", "1", script])

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unison.distributed.env import DistribEnv
-from unison.distributed.group import created_by_unison, group_generation
+from unison.distributed.group import created_by_unison, group_generation, group_key_prefix
 
 #: Set by `unison launch` to the heartbeat store it hosts ("HOST:PORT"); see unison.launch.rendezvous.
 HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
@@ -72,9 +72,12 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._store = self._connect()
         # Scoped to this group: a later group (or an elastic restart) on the same store starts clean.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # The launcher's store (one machine, one agent) outlives the attempts, whose restart count it
+        # agrees on; across machines the count is not agreed (group_key_prefix), but the store is new.
+        hosted = bool(os.environ.get(HEARTBEAT_ENV))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if hosted else "-"
         job = os.environ.get("TORCHELASTIC_RUN_ID", "")  # a job nested in another shares no keys with it
-        self._prefix = f"unison/heartbeat/{job}/{restart}/{group_generation()}/"
+        self._prefix = f"unison/heartbeat/{job}/{attempt}/{group_key_prefix(group_generation())}/"
 
     @staticmethod
     def _connect() -> dist.Store | None:

@@ -322,9 +322,11 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
         configs.update(rdzv_store_configs(endpoint, rdzv_timeout))  # the endpoint's owner hosts the store
-    if backend == "c10d" and opts.max_restarts > 0:
+    if backend == "c10d":
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
-        # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
+        # store that outlives it (pytorch/pytorch#135712), and the workers get nothing every node
+        # agrees on per round to keep them apart (group.group_key_prefix): rank 0 of each attempt
+        # hosts a fresh store. Elastic jobs restart on a node joining even with --max-restarts 0.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     configs.update({k: v for k, v in opts.torchrun.rdzv_conf.items() if k != "store_type"})  # --rdzv-conf
     agent = dict(opts.torchrun.agent)  # torchrun's options for torch's agent, as given

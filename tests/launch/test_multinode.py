@@ -190,7 +190,8 @@ def test_two_machines_kill_and_restart_end_on_the_uninterrupted_weights(
     workers see different TORCHELASTIC_RESTART_COUNTs: the group must still form at once (it used
     to wait on different store keys until the timeout) and end on the uninterrupted weights."""
     endpoint = f"{machines.addrs[0]}:{29000 + free_port() % 1000}"
-    elastic = [*LAUNCH, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1", "--timeout", "60"]
+    elastic = [*LAUNCH, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1"]
+    elastic += ["--timeout", "60"]
     marker = tmp_path / "killed"
     train = [TRAIN, "--ckpt", str(tmp_path)]
     nodes = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -48,6 +49,7 @@ from unison.launch.support import (
     port_in_use,
     quiet_torch_logs,
     resolve,
+    unreadable_error_files,
 )
 from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
@@ -400,6 +402,16 @@ def launch(opts: LaunchOptions) -> int:
     except KeyboardInterrupt:  # before torch's agent installed its handlers
         return 130
     except Exception as exc:  # rendezvous timeouts, unreachable master, ...: one line, not a trace
+        torn = unreadable_error_files(log_dir) if isinstance(exc, json.JSONDecodeError) else []
+        if torn:  # torch's agent stopped on it: name the rank rather than the parser's complaint
+            rank, path = torn[0]
+            print(
+                f"unison launch: rank {rank} failed and left an empty or torn error file ({path}); torch's "
+                f"agent stopped on it without restarting; its output: {path.parent}/rank{rank}.stderr.log",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         name = type(exc).__name__
         hint = ""
         if any(word in name for word in ("Store", "Rendezvous", "Network")):

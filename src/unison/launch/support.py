@@ -288,6 +288,27 @@ def pointless_restart(attempt_dir: str) -> str | None:
     return None
 
 
+def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
+    """`(rank, path)` of the latest attempt's error files that are empty or not whole JSON.
+
+    torch's agent fails on one (`JSONDecodeError`) instead of reporting the rank and restarting:
+    unison's workers write theirs whole or not at all, but a `--no-python` program may not.
+
+    >>> unreadable_error_files("/tmp/logs")  # rank 1 was stopped while writing its error file
+    [(1, PosixPath('/tmp/logs/attempt_0/rank1.error.json'))]
+    """
+    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    found = []
+    for error_file in sorted(attempts[-1].glob("rank*.error.json")) if attempts else []:
+        try:
+            json.loads(error_file.read_text())
+        except ValueError:
+            found.append((int(error_file.name.split(".")[0].removeprefix("rank")), error_file))
+        except OSError:
+            continue
+    return found
+
+
 # ---- failure summary ---------------------------------------------------------------------------
 # Errors a rank raises because *another* rank went away: never the root cause when a better one exists.
 _PEER_LOSS = (

@@ -272,6 +272,29 @@ def test_bad_input_fails_fast_on_the_command_line(tmp_path: Path) -> None:
             assert "must never run" not in out + err
 
 
+def test_option_errors_come_before_torch_is_imported(tmp_path: Path) -> None:
+    """Bad options are answered before torch loads (which alone takes seconds): the console script
+    and `python -m unison.launch` both import no torch module before the one-line error."""
+    script = tmp_path / "ok.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    cases = [
+        [UNISON, "launch", "--nproc", "0", str(script)],
+        [*LAUNCH, "--nproc", "0", str(script)],
+        [*LAUNCH, "--nnodes", "2", "--redirects", "9", str(script)],
+        [*LAUNCH, "--max-restarts", "-1", "--rdzv-endpoint", "127.0.0.1:1", str(script)],
+    ]
+    for cmd in cases:
+        rc, _, err, _ = run(cmd, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=30)
+        assert rc == 2, (cmd, err)
+        errors = [line for line in err.splitlines() if not line.startswith("import time:")]
+        assert len(errors) == 1 and errors[0].startswith("unison launch: error: "), err[-2000:]
+        imported = [
+            line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")
+        ]
+        assert "unison.launch.launcher" in imported  # the import log is real
+        assert not [m for m in imported if m.split(".")[0] == "torch"], cmd
+
+
 def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
     """Two single-machine launches together (free ports), each checked for what its workers get."""
     probe = str(SCRIPTS / "probe.py")

@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unison.distributed.env import threads_per_worker
-from unison.distributed.group import TIMEOUT_ENV
 from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
 from unison.launch.rendezvous import (
     ReleaseStopped,
@@ -39,8 +37,6 @@ from unison.launch.rendezvous import (
 )
 from unison.launch.support import (
     LaunchError,
-    RankLogsSpecs,
-    RestartRefused,
     exported,
     failure_summary,
     interface_for,
@@ -53,8 +49,10 @@ from unison.launch.support import (
 )
 from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig
+
+    from unison.launch.logs import RankLogsSpecs
 
 __all__ = [
     "LaunchError",
@@ -292,6 +290,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.elastic.utils import macros
     from torch.distributed.launcher.api import LaunchConfig
 
+    from unison.distributed.env import threads_per_worker
+    from unison.distributed.group import TIMEOUT_ENV
+    from unison.launch.logs import RankLogsSpecs
+
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid())}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
     if opts.timeout is not None:
@@ -364,6 +366,8 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
+
+    from unison.launch.logs import RestartRefused
 
     quiet_torch_logs(opts.verbose)
     if opts.rdzv_endpoint:

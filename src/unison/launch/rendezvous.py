@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-from unison.distributed.watchdog import HEARTBEAT_ENV
-
 
 def _listener(host: str) -> socket.socket:
     """A listening socket on `host`, any free port (loopback stays loopback: nothing else can reach it)."""
@@ -38,10 +36,12 @@ def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Host the heartbeat store in this process for the block; yield the variables workers need.
 
     >>> with heartbeat_store() as env:
-    ...     env[HEARTBEAT_ENV]
+    ...     env["UNISON_HEARTBEAT_STORE"]
     '127.0.0.1:41234'
     """
     import torch.distributed as dist
+
+    from unison.distributed.watchdog import HEARTBEAT_ENV
 
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"the heartbeat store listens on loopback only, got {host}")

@@ -150,3 +150,16 @@ def test_a_program_leaving_a_torn_error_file_is_named(tmp_path):
     assert "rank 1 failed and left an empty or torn error file" in proc.stderr, proc.stderr[-3000:]
     assert "JSONDecodeError" not in proc.stderr
     assert leftover_workers(str(program)) == []
+
+
+def test_a_rank_that_exits_early_is_named_as_such_not_as_stuck(tmp_path):
+    """Rank 1's script exits (status 0) mid-epoch: rank 0's next collective fails at once, and the
+    diagnosis says rank 1 left early; it used to say "stuck ... (its Python stacks are dumped to its
+    stderr)", and no stacks exist."""
+    proc, elapsed = launch(
+        tmp_path, "--timeout", "20", script_args=["--exit-rank", "1", "--at", "3"], timeout=90
+    )
+    assert proc.returncode != 0
+    assert "rank 1 left the training early at epoch 0 training batch" in proc.stderr, proc.stderr[-3000:]
+    assert "stuck" not in proc.stderr and "stacks" not in proc.stderr, proc.stderr[-3000:]
+    assert leftover_workers(str(tmp_path)) == []

@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -22,6 +23,7 @@ parser.add_argument("--dir", required=True)
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever inside a step")
 parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank SIGSTOPs itself after a step")
+parser.add_argument("--exit-rank", type=int, default=-1, help="this rank's script exits early (status 0)")
 parser.add_argument("--torn-rank", type=int, default=-1, help="killed while writing its error file")
 parser.add_argument("--torn", default="", help="...what it had written of it when killed (empty: nothing)")
 parser.add_argument("--at", type=int, default=5, help="...at this training step (counted over the run)")
@@ -40,6 +42,8 @@ class Fault(Callback):
         if self.steps == args.at and first_attempt:
             if rank_distrib() == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank_distrib() == args.exit_rank:
+                sys.exit(0)
             if rank_distrib() == args.torn_rank:  # as torch's @record is, when stopped mid-write
                 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as error_file:
                     error_file.write(args.torn)

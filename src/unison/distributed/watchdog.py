@@ -122,6 +122,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
+        self._publish("left")  # a rank that leaves early is told apart from a stuck one
         # Let go of the store: held here it would outlive the group and be torn down only
         # while the interpreter exits, where a store client's destructor can abort the process.
         self._store = None
@@ -139,13 +140,18 @@ class Watchdog:
                 # Stuck for a whole timeout: show where, in this rank's own log.
                 self._dump_stacks(now - since)
                 dumped = True
-            if self._store is not None:
-                beat = json.dumps({"t": time.time(), "at": list(last), "pid": os.getpid()})
-                try:
-                    self._store.set(f"{self._prefix}{self.rank}", beat)
-                except Exception:
-                    self._store = None  # the store is gone: the job is ending
+            self._publish("running")
             self._stop.wait(self.interval)
+
+    def _publish(self, state: str) -> None:
+        """This rank's heartbeat: where it is, and whether it is still `running` or has `left`."""
+        if self._store is None:
+            return
+        beat = json.dumps({"t": time.time(), "at": list(self._progress), "pid": os.getpid(), "state": state})
+        try:
+            self._store.set(f"{self._prefix}{self.rank}", beat)
+        except Exception:
+            self._store = None  # the store is gone: the job is ending
 
     def _dump_stacks(self, stuck_s: float) -> None:
         try:
@@ -207,6 +213,14 @@ class Watchdog:
                 "or died before its first batch",
                 never[0],
             )
+        left = [r for r, b in beats.items() if b.get("state") == "left" and r != self.rank]
+        if left:
+            r = left[0]
+            return RankStalledError(
+                f"rank {r} left the training early at {_where(beats[r]['at'])} (its script returned or "
+                "exited, or left distrib_ctx) while the others went on",
+                r,
+            )
         silent = [r for r, b in beats.items() if now - b["t"] > 3 * self.interval + 2]
         if silent:
             r = silent[0]
@@ -221,7 +235,8 @@ class Watchdog:
         if positions[lagging] < ahead:
             return RankStalledError(
                 f"rank {lagging} stopped taking part: stuck at {_where(positions[lagging])} while others "
-                f"reached {_where(ahead)} (its Python stacks are dumped to its stderr)",
+                f"reached {_where(ahead)}, or its process ended there (if stuck, its Python stacks go to "
+                f"its stderr after {self.timeout:.0f} s without progress)",
                 lagging,
             )
         return None

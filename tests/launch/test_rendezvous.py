@@ -82,3 +82,23 @@ def test_log_folders_and_files_are_private_to_the_user(tmp_path):
     assert len(files) == 4  # stdout and stderr of 2 ranks
     assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
     assert '"RANK": "1"' in (attempt / "rank1.stdout.log").read_text()  # torch wrote into them as they were
+
+
+@pytest.mark.slow
+def test_a_node_that_never_comes_is_explained_not_an_empty_error(tmp_path):
+    """torch raises RendezvousTimeoutError with no text when a node is lost or never starts: the
+    launcher's line says what it means and which timeout ran out."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "unison.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    proc = subprocess.run([*cmd, "--timeout", "3", str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1
+    (line,) = [x for x in proc.stderr.splitlines() if "Error" in x]
+    assert line.startswith(
+        "unison launch: RendezvousTimeoutError: the nodes did not all join the rendezvous within its timeout "
+        "(3 s, --timeout): a node was lost or never started"
+    ), proc.stderr
+    assert "must never run" not in proc.stderr

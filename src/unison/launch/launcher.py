@@ -417,13 +417,14 @@ def launch(opts: LaunchOptions) -> int:
             )
             return 1
         name = type(exc).__name__
+        text = str(exc).strip() or _silent_error_text(name, opts)
         hint = ""
         if any(word in name for word in ("Store", "Rendezvous", "Network")):
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
             if opts.rdzv_endpoint:
                 hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint)})"
-        print(f"unison launch: {name}: {str(exc).strip()}{hint}", file=sys.stderr, flush=True)
+        print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         sys.stdout.flush()
@@ -432,6 +433,19 @@ def launch(opts: LaunchOptions) -> int:
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):
                 os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
+
+
+def _silent_error_text(name: str, opts: LaunchOptions) -> str:
+    """What torch's rendezvous errors that carry no message mean (a lost node gave an empty line)."""
+    if name == "RendezvousTimeoutError":
+        wait = f"{opts.timeout:g} s, --timeout" if opts.timeout is not None else "600 s, torch's default"
+        return (
+            f"the nodes did not all join the rendezvous within its timeout ({wait}): a node was lost "
+            "or never started"
+        )
+    if name == "RendezvousClosedError":
+        return "the job's rendezvous was closed: another node ended the job (see its output)"
+    return "(torch gave no message)"
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

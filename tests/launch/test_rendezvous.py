@@ -44,12 +44,44 @@ def test_an_endpoint_port_held_by_another_program_fails_fast_saying_so(foreign_l
     assert elapsed < 20  # it used to wait past 120 s with no message
 
 
-def test_an_endpoint_port_held_by_a_store_is_accepted():
-    # Another node of the same job, started on this machine, hosts the rendezvous store there.
+def test_an_endpoint_port_held_by_this_jobs_store_is_accepted_another_jobs_refused():
+    """Another node of the same job, started on this machine, hosts the rendezvous store there (its
+    rendezvous key is in it): accepted. A store of another job (another run id, or a bare store)
+    is refused naming the run id, instead of being joined."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
     )
-    check_rdzv_endpoint(f"127.0.0.1:{store.port}")  # no error
+    store.set("torch.rendezvous.job-a", "")  # what torch's c10d backend writes first, for run id job-a
+    check_rdzv_endpoint(f"127.0.0.1:{store.port}", run_id="job-a")  # no error
+    with pytest.raises(LaunchError, match="holds no rendezvous 'job-b'"):
+        check_rdzv_endpoint(f"127.0.0.1:{store.port}", run_id="job-b", wait=1.0)
+
+
+@pytest.mark.slow
+def test_a_launch_on_another_jobs_store_is_refused_not_joined(tmp_path):
+    """A TCPStore of another job listens on the endpoint's port: the launch used to join it and run to
+    rc 0; it must refuse it before starting anything."""
+    foreign = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    script = tmp_path / "train.py"
+    script.write_text("print('RAN')\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.launch",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{foreign.port}",
+        "--rdzv-id",
+        "7",
+    ]
+    proc = subprocess.run([*cmd, "--timeout", "20", str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "RAN" not in proc.stdout
+    assert (
+        f"port {foreign.port} on this machine is held by a c10d store that holds no rendezvous '7'"
+        in proc.stderr
+    )
 
 
 def test_a_free_endpoint_port_is_accepted(foreign_listener):

@@ -370,9 +370,9 @@ def launch(opts: LaunchOptions) -> int:
     from unison.launch.logs import RestartRefused
 
     quiet_torch_logs(opts.verbose)
-    if opts.rdzv_endpoint:
+    if opts.rdzv_endpoint and opts.torchrun.rdzv_backend in (None, "c10d"):  # etcd's is no TCPStore
         try:
-            check_rdzv_endpoint(opts.rdzv_endpoint)
+            check_rdzv_endpoint(opts.rdzv_endpoint, opts.rdzv_id)
         except LaunchError as exc:
             print(f"unison launch: error: {exc}", file=sys.stderr)
             return 2

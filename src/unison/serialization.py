@@ -64,7 +64,7 @@ def _disk_full(
     free = free_bytes(path.parent)
     done = f" after {human_bytes(written)} were written" if written is not None else ""
     if cause is None:  # checked before writing: the error the write would have met
-        os_error = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}, foreseen before writing"
+        os_error = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}, checked before writing"
     else:
         os_error = (
             f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror or os.strerror(cause.errno)}"

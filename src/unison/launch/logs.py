@@ -114,7 +114,7 @@ def pointless_restart(attempt_dir: str) -> str | None:
     """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None.
 
     >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
-    'rank 0 failed with DiskFullError: disk full (ENOSPC) writing ...'
+    'rank 0 failed with DiskFullError: disk full (ENOSPC; OSError: [Errno 28] ...) writing ...'
     """
     for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
         try:

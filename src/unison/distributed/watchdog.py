@@ -213,15 +213,10 @@ class Watchdog:
                 "or died before its first batch",
                 never[0],
             )
-        left = [r for r, b in beats.items() if b.get("state") == "left" and r != self.rank]
-        if left:
-            r = left[0]
-            return RankStalledError(
-                f"rank {r} left the training early at {_where(beats[r]['at'])} (its script returned or "
-                "exited, or left distrib_ctx) while the others went on",
-                r,
-            )
-        silent = [r for r, b in beats.items() if now - b["t"] > 3 * self.interval + 2]
+        # A rank that left publishes no more beats: its silence is no stall. (Another rank that
+        # failed on the same stall leaves too, at the others' position: the lagging one is named.)
+        left = {r for r, b in beats.items() if b.get("state") == "left" and r != self.rank}
+        silent = [r for r, b in beats.items() if r not in left and now - b["t"] > 3 * self.interval + 2]
         if silent:
             r = silent[0]
             return RankStalledError(
@@ -230,8 +225,16 @@ class Watchdog:
                 r,
             )
         positions = {r: tuple(b["at"]) for r, b in beats.items()}
-        lagging = min(positions, key=lambda r: positions[r])
+        positions[self.rank] = tuple(self._progress)  # live: its stored beat may be a second old
+        lagging = min(positions, key=lambda r: (positions[r], r not in left))
         ahead = max(positions.values())
+        if lagging in left or (left and positions[lagging] == ahead):
+            r = lagging if lagging in left else min(left)
+            return RankStalledError(
+                f"rank {r} left the training early at {_where(positions[r])} (its script returned or "
+                "exited, or left distrib_ctx) while the others went on",
+                r,
+            )
         if positions[lagging] < ahead:
             return RankStalledError(
                 f"rank {lagging} stopped taking part: stuck at {_where(positions[lagging])} while others "

@@ -106,9 +106,64 @@ def test_a_full_disk_stops_the_job_naming_it_and_does_not_restart_into_it(tmp_pa
         disks.fill(disk, 4096)
         proc, _ = launch(disk, "--max-restarts", "2", timeout=120)
     assert proc.returncode != 0
-    assert "disk full (ENOSPC) writing" in proc.stderr and "checkpoint.pth" in proc.stderr, proc.stderr[
-        -3000:
-    ]
+    assert (
+        "disk full (ENOSPC; OSError: [Errno 28] No space left on device" in proc.stderr
+        and "checkpoint.pth" in proc.stderr
+    ), proc.stderr[-3000:]
     assert "not restarting" in proc.stderr
     assert "restarting the workers" not in proc.stderr
+    assert leftover_workers(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("restarts,written", [(1, ""), (0, '{"message": {"mess')])
+def test_a_rank_killed_while_writing_its_error_file_is_restarted_and_named(tmp_path, restarts, written):
+    """torch's agent reads a failed rank's error file with json.load: an empty or torn one (the rank
+    was stopped while writing it, as torch's @record writes it) ended the job with `JSONDecodeError`,
+    no restart and no rank named. The worker's error file reaches the agent whole or not at all."""
+    proc, _ = launch(
+        tmp_path,
+        "--max-restarts",
+        str(restarts),
+        script_args=["--torn-rank", "1", "--torn", written, "--at", "3"],
+    )
+    assert "JSONDecodeError" not in proc.stderr, proc.stderr[-3000:]
+    if restarts:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "restarting the workers (restart 1 of 1)" in proc.stderr
+        weights = sorted(line.split()[-1] for line in proc.stdout.splitlines() if "WEIGHTS" in line)
+        assert len(weights) == 2 and weights[0] == weights[1]
+    else:
+        assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+        assert "rank 1 failed (signal SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    assert leftover_workers(str(tmp_path)) == []
+
+
+def test_a_program_leaving_a_torn_error_file_is_named(tmp_path):
+    """A `--no-python` program writes its error file itself: a torn one stops torch's agent, and
+    the launcher names the rank and keeps its logs instead of printing a bare JSONDecodeError."""
+    program = tmp_path / "job.sh"
+    program.write_text(
+        "#!/bin/sh\n"
+        'if [ "$RANK" = 1 ]; then printf \'{"mess\' > "$TORCHELASTIC_ERROR_FILE"; exit 3; fi\n'
+        "exec sleep 60\n"
+    )
+    program.chmod(0o700)
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.run([*cmd, "--no-python", str(program)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "rank 1 failed and left an empty or torn error file" in proc.stderr, proc.stderr[-3000:]
+    assert "JSONDecodeError" not in proc.stderr
+    assert leftover_workers(str(program)) == []
+
+
+def test_a_rank_that_exits_early_is_named_as_such_not_as_stuck(tmp_path):
+    """Rank 1's script exits (status 0) mid-epoch: rank 0's next collective fails at once, and the
+    diagnosis says rank 1 left early; it used to say "stuck ... (its Python stacks are dumped to its
+    stderr)", and no stacks exist."""
+    proc, elapsed = launch(
+        tmp_path, "--timeout", "20", script_args=["--exit-rank", "1", "--at", "3"], timeout=90
+    )
+    assert proc.returncode != 0
+    assert "rank 1 left the training early at epoch 0 training batch" in proc.stderr, proc.stderr[-3000:]
+    assert "stuck" not in proc.stderr and "stacks" not in proc.stderr, proc.stderr[-3000:]
     assert leftover_workers(str(tmp_path)) == []

@@ -1,5 +1,7 @@
 """Checkpoint files on a hostile disk: flipped bits, a full disk, stale temp files."""
 
+import errno
+import os
 import subprocess
 import sys
 import time
@@ -103,6 +105,8 @@ def test_a_full_disk_is_reported_as_such_and_the_previous_checkpoint_survives(sm
         assert f"needs about {human_bytes(storage_bytes(second))}" in message
     else:  # torch's own error here was "unexpected pos ...": the disk's is kept
         assert "were written" in message
+    # the OS's own words are in the headline (the launcher's summary shows only the last exception)
+    assert f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" in message, message
     assert list(small_disk.glob(".checkpoint.pth.*.tmp")) == []  # nothing half-written is left
     loaded = safe_load(path)  # the previous checkpoint is whole
     assert all(torch.equal(loaded["model"][k], first["model"][k]) for k in first["model"])
@@ -171,3 +175,30 @@ def test_a_live_writers_temp_file_is_never_removed(tmp_path):
         holder.kill()
         holder.wait(30)
     assert remove_stale_temps(path) == [live]  # its writer is gone now
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+@pytest.mark.parametrize(
+    "payload,refused",
+    [
+        (_RunsCode(), "posix.system"),
+        (torch.nn.Linear(2, 2), "torch.nn.modules.linear.Linear"),
+        (print, "print"),
+    ],
+)
+def test_a_pickled_object_is_refused_naming_the_global_without_torchs_advice(tmp_path, payload, refused):
+    """torch's weights-only error advises re-running with weights_only=False (running the file's code):
+    the refusal names the global it refused and never repeats that advice."""
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"unison_format": 1, "kind": "checkpoint", "model": payload}, path)
+    with pytest.raises(CheckpointError) as info:
+        safe_load(path)
+    message = str(info.value)
+    assert f"refused the global {refused} " in message, message
+    for advice in ("weights_only", "Re-run", "trusted source", "add_safe_globals", "allowlist"):
+        assert advice not in message, message
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained advice either

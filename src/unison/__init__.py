@@ -6,57 +6,117 @@
 ...     learn.fit_one_cycle(3)
 """
 
-from unison.callbacks import (
-    EVENTS,
-    Callback,
-    CancelBatchException,
-    CancelEpochException,
-    CancelFitException,
-    CancelTrainException,
-    CancelValidException,
-    Checkpoint,
-    CSVLogger,
-    EarlyStopping,
-    GradientAccumulation,
-    GradientClip,
-    LRFinder,
-    LRSchedulerCallback,
-    MixedPrecision,
-    OneCycleScheduler,
-    ProgressCallback,
-    Recorder,
-    SaveModelCallback,
-    TensorBoardLogger,
-    TrackerCallback,
-)
-from unison.data import DataLoaders, to_device
-from unison.launch.spawn import SpawnError, mp_spawn, spawn
-from unison.learner import Learner
-from unison.losses import SummedLoss, TokenCrossEntropy
-from unison.metrics import (
-    AccumMetric,
-    AvgMetric,
-    Metric,
-    TorchMetric,
-    WeightedMean,
-    accuracy,
-    error_rate,
-    roc_auc,
-)
-from unison.rng import set_seed
-from unison.serialization import CheckpointError
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# The public names load on first use (PEP 562): `unison launch` and `python -m unison.launch`
+# import this package before anything else, and must answer a bad option before torch loads
+# (importing it takes seconds). Type checkers and IDEs read the imports below.
+if TYPE_CHECKING:
+    from unison.callbacks import (
+        EVENTS,
+        Callback,
+        CancelBatchException,
+        CancelEpochException,
+        CancelFitException,
+        CancelTrainException,
+        CancelValidException,
+        Checkpoint,
+        CSVLogger,
+        EarlyStopping,
+        GradientAccumulation,
+        GradientClip,
+        LRFinder,
+        LRSchedulerCallback,
+        MixedPrecision,
+        OneCycleScheduler,
+        ProgressCallback,
+        Recorder,
+        SaveModelCallback,
+        TensorBoardLogger,
+        TrackerCallback,
+    )
+    from unison.data import DataLoaders, to_device
+    from unison.launch.spawn import SpawnError, mp_spawn, spawn
+    from unison.learner import Learner
+    from unison.losses import SummedLoss, TokenCrossEntropy
+    from unison.metrics import (
+        AccumMetric,
+        AvgMetric,
+        Metric,
+        TorchMetric,
+        WeightedMean,
+        accuracy,
+        error_rate,
+        roc_auc,
+    )
+    from unison.rng import set_seed
+    from unison.serialization import CheckpointError
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "EVENTS": "unison.callbacks",
+    "Callback": "unison.callbacks",
+    "CancelBatchException": "unison.callbacks",
+    "CancelEpochException": "unison.callbacks",
+    "CancelFitException": "unison.callbacks",
+    "CancelTrainException": "unison.callbacks",
+    "CancelValidException": "unison.callbacks",
+    "Checkpoint": "unison.callbacks",
+    "CSVLogger": "unison.callbacks",
+    "EarlyStopping": "unison.callbacks",
+    "GradientAccumulation": "unison.callbacks",
+    "GradientClip": "unison.callbacks",
+    "LRFinder": "unison.callbacks",
+    "LRSchedulerCallback": "unison.callbacks",
+    "MixedPrecision": "unison.callbacks",
+    "OneCycleScheduler": "unison.callbacks",
+    "ProgressCallback": "unison.callbacks",
+    "Recorder": "unison.callbacks",
+    "SaveModelCallback": "unison.callbacks",
+    "TensorBoardLogger": "unison.callbacks",
+    "TrackerCallback": "unison.callbacks",
+    "DataLoaders": "unison.data",
+    "to_device": "unison.data",
+    "SpawnError": "unison.launch.spawn",
+    "mp_spawn": "unison.launch.spawn",
+    "spawn": "unison.launch.spawn",
+    "Learner": "unison.learner",
+    "SummedLoss": "unison.losses",
+    "TokenCrossEntropy": "unison.losses",
+    "AccumMetric": "unison.metrics",
+    "AvgMetric": "unison.metrics",
+    "Metric": "unison.metrics",
+    "TorchMetric": "unison.metrics",
+    "WeightedMean": "unison.metrics",
+    "accuracy": "unison.metrics",
+    "error_rate": "unison.metrics",
+    "roc_auc": "unison.metrics",
+    "set_seed": "unison.rng",
+    "CheckpointError": "unison.serialization",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (`from unison import Learner` works as always)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unison' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = [
-    "CSVLogger",
-    "LRSchedulerCallback",
-    "SummedLoss",
-    "TensorBoardLogger",
-    "TokenCrossEntropy",
-    "TorchMetric",
     "AccumMetric",
     "AvgMetric",
+    "CSVLogger",
     "Callback",
     "CancelBatchException",
     "CancelEpochException",
@@ -71,14 +131,19 @@ __all__ = [
     "GradientAccumulation",
     "GradientClip",
     "LRFinder",
-    "MixedPrecision",
+    "LRSchedulerCallback",
     "Learner",
     "Metric",
+    "MixedPrecision",
     "OneCycleScheduler",
     "ProgressCallback",
     "Recorder",
-    "SpawnError",
     "SaveModelCallback",
+    "SpawnError",
+    "SummedLoss",
+    "TensorBoardLogger",
+    "TokenCrossEntropy",
+    "TorchMetric",
     "TrackerCallback",
     "WeightedMean",
     "accuracy",

@@ -57,14 +57,26 @@ def free_bytes(folder: str | os.PathLike[str]) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _disk_full(path: Path, needed: int, written: int | None = None) -> DiskFullError:
-    """The one-line report of a full disk: the file, the space needed and the space free."""
+def _disk_full(
+    path: Path, needed: int, written: int | None = None, cause: OSError | None = None
+) -> DiskFullError:
+    """The one-line report of a full disk: the OS's error, the file, the space needed and free.
+
+    The OS's own words lead (`OSError: [Errno 28] No space left on device`): a summary that
+    shows only the last exception of a chain must still show them.
+    """
     free = free_bytes(path.parent)
     done = f" after {human_bytes(written)} were written" if written is not None else ""
+    if cause is None:  # checked before writing: the error the write would have met
+        os_error = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}, checked before writing"
+    else:
+        os_error = (
+            f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror or os.strerror(cause.errno)}"
+        )
     return DiskFullError(
-        f"disk full (ENOSPC) writing {path}: it needs about {human_bytes(needed)}, {human_bytes(free)} "
-        f"free in {path.parent}{done}; any previous checkpoint there is kept whole. Free space or "
-        "choose another folder: a restart would hit the same wall"
+        f"disk full (ENOSPC; {os_error}) writing {path}: it needs about {human_bytes(needed)}, "
+        f"{human_bytes(free)} free in {path.parent}{done}; any previous checkpoint there is kept whole. "
+        "Free space or choose another folder: a restart would hit the same wall"
     )
 
 
@@ -174,9 +186,10 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        if _is_enospc(exc, writer):
+        cause = _enospc(exc, writer)
+        if cause is not None:
             raise _disk_full(
-                path, max(needed, writer.written if writer else 0), writer and writer.written
+                path, max(needed, writer.written if writer else 0), writer and writer.written, cause
             ) from exc
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -187,11 +200,12 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _is_enospc(exc: BaseException, writer: _CountingWriter | None) -> bool:
+def _enospc(exc: BaseException, writer: _CountingWriter | None) -> OSError | None:
+    """The OS's no-space error behind `exc` (torch may raise its own error over it), or None."""
     for err in (exc, exc.__cause__, exc.__context__, writer.error if writer else None):
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-    return False
+            return err
+    return None
 
 
 def safe_load(
@@ -217,9 +231,13 @@ def safe_load(
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"{path} holds objects that are not plain tensors or values, refused: {_unpickling_reason(exc)}"
+            f"{path} holds objects that are not plain tensors or values: {_refusal(exc)}"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        if "weights_only" in str(exc):  # the weights-only loader's refusal, wrapped otherwise
+            raise CheckpointError(
+                f"{path} holds objects that are not plain tensors or values: {_refusal(exc)}"
+            ) from None
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} is damaged or truncated ({reason})") from None
     if not isinstance(obj, dict) or FORMAT_KEY not in obj:
@@ -260,14 +278,35 @@ def verify_integrity(path: str | os.PathLike[str], chunk: int = 1 << 20) -> None
         raise CheckpointError(f"{path} is damaged or truncated ({exc})") from None
 
 
-def _unpickling_reason(exc: Exception) -> str:
-    """The line of torch's weights-only error that names what was refused, without terminal codes."""
+#: torch's weights-only errors advise loading with weights_only=False or allow-listing the global:
+#: both run the file's code, so no line carrying that advice is ever repeated.
+_ADVICE = (
+    "weights_only",
+    "re-run",
+    "trusted source",
+    "add_safe_globals",
+    "safe_globals",
+    "allowlist",
+    "documentation",
+)
+
+
+def _refusal(exc: Exception) -> str:
+    """What torch's weights-only loader refused, named, without its advice or terminal codes.
+
+    >>> _refusal(pickle.UnpicklingError("... Trying to load unsupported GLOBAL posix.system whose ..."))[:33]
+    'refused the global posix.system ('
+    """
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
-    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    found = re.search(r"GLOBAL\s+([\w.]+)", text)
     if found:
-        return found.group(1).split(" Please use ")[0].strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+        return (
+            f"refused the global {found.group(1)} (loading it would run code from the file; a checkpoint "
+            "holds tensors and plain values only)"
+        )
+    lines = [line.strip() for line in re.split(r"\n|(?<=\.) ", text) if line.strip()]
+    plain = [line for line in lines if not any(word in line.lower() for word in _ADVICE)]
+    return f"refused ({plain[0]})" if plain else "refused by torch's weights-only loader"
 
 
 def check_state_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:

@@ -1,12 +1,14 @@
 """A resumable training script whose ranks can be made to crash or hang on cue (fault tests).
 
 unison launch --nproc 2 --max-restarts 1 resumable.py --dir D --kill-rank 1 --at 5
+unison launch --nproc 2 --max-restarts 1 resumable.py --dir D --torn-rank 1 --torn '{"mess' --at 5
 """
 
 import argparse
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -21,6 +23,9 @@ parser.add_argument("--dir", required=True)
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever inside a step")
 parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank SIGSTOPs itself after a step")
+parser.add_argument("--exit-rank", type=int, default=-1, help="this rank's script exits early (status 0)")
+parser.add_argument("--torn-rank", type=int, default=-1, help="killed while writing its error file")
+parser.add_argument("--torn", default="", help="...what it had written of it when killed (empty: nothing)")
 parser.add_argument("--at", type=int, default=5, help="...at this training step (counted over the run)")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -37,6 +42,13 @@ class Fault(Callback):
         if self.steps == args.at and first_attempt:
             if rank_distrib() == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank_distrib() == args.exit_rank:
+                sys.exit(0)
+            if rank_distrib() == args.torn_rank:  # as torch's @record is, when stopped mid-write
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as error_file:
+                    error_file.write(args.torn)
+                    error_file.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
             if rank_distrib() == args.hang_rank:
                 time.sleep(10_000)
             if rank_distrib() == args.freeze_rank:  # paused, swapped out: every thread stops

@@ -214,8 +214,9 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     plan = launch_mod.plan_launch(elastic, "/x")
     assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("c10d", 1, 2)
     assert plan.config.run_id == "unison" and plan.config.local_addr == "127.0.0.1"
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan.env
-    # restarts: each attempt gets a fresh store (pytorch#135712); one machine on a fixed port included
+    # every c10d round (a restart, a node joining) gets a fresh store (pytorch#135712), so the
+    # workers' keys need no per-round value, which the nodes would not agree on (restart counts)
+    assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     again = launch_mod.plan_launch(launch_mod.parse_options(["--max-restarts", "2", script]), "/x")
     assert again.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and again.config.max_restarts == 2
     fixed = launch_mod.parse_options(["--master-port", port, "--max-restarts", "1", script])
@@ -271,6 +272,29 @@ def test_bad_input_fails_fast_on_the_command_line(tmp_path: Path) -> None:
             assert "must never run" not in out + err
 
 
+def test_option_errors_come_before_torch_is_imported(tmp_path: Path) -> None:
+    """Bad options are answered before torch loads (which alone takes seconds): the console script
+    and `python -m unison.launch` both import no torch module before the one-line error."""
+    script = tmp_path / "ok.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    cases = [
+        [UNISON, "launch", "--nproc", "0", str(script)],
+        [*LAUNCH, "--nproc", "0", str(script)],
+        [*LAUNCH, "--nnodes", "2", "--redirects", "9", str(script)],
+        [*LAUNCH, "--max-restarts", "-1", "--rdzv-endpoint", "127.0.0.1:1", str(script)],
+    ]
+    for cmd in cases:
+        rc, _, err, _ = run(cmd, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=30)
+        assert rc == 2, (cmd, err)
+        errors = [line for line in err.splitlines() if not line.startswith("import time:")]
+        assert len(errors) == 1 and errors[0].startswith("unison launch: error: "), err[-2000:]
+        imported = [
+            line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")
+        ]
+        assert "unison.launch.launcher" in imported  # the import log is real
+        assert not [m for m in imported if m.split(".")[0] == "torch"], cmd
+
+
 def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
     """Two single-machine launches together (free ports), each checked for what its workers get."""
     probe = str(SCRIPTS / "probe.py")
@@ -317,7 +341,8 @@ def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
         assert p["UNISON_TIMEOUT"] == "30.0" and p["GLOO_SOCKET_IFNAME"] == "lo"
         assert p["threads"] == int(p["OMP_NUM_THREADS"]) == threads_per_worker(2)  # the launcher's rule
         assert p["allreduce"] == 3.0
-        assert p["TORCHELASTIC_ERROR_FILE"] == str(logs / "attempt_0" / f"rank{rank}.error.json")
+        # the script (torch's @record) writes beside torch's path; the bootstrap renames it there whole
+        assert p["TORCHELASTIC_ERROR_FILE"] == str(logs / "attempt_0" / f"rank{rank}.error.json.partial")
         assert not alive(p["pid"])
 
     # B: every rank's stdout; the user's OMP_NUM_THREADS is kept; no --local_rank; its own port.

@@ -180,3 +180,28 @@ def test_seed004_by_hand_on_two_machines(machines: Machines) -> None:
     d0, d1 = digests(out0), digests(out1)
     assert list(d0) == [0] and list(d1) == [1]
     assert d0[0] == d1[1], "the two machines ended with different weights"
+
+
+def test_two_machines_kill_and_restart_end_on_the_uninterrupted_weights(
+    machines: Machines, single_machine: dict, tmp_path: Path
+) -> None:
+    """Elastic, --max-restarts 1: node 1's worker is SIGKILLed mid-epoch. Node 1's agent counts a
+    restart, node 0's restarts its worker for the re-joining node without counting one, so the two
+    workers see different TORCHELASTIC_RESTART_COUNTs: the group must still form at once (it used
+    to wait on different store keys until the timeout) and end on the uninterrupted weights."""
+    endpoint = f"{machines.addrs[0]}:{29000 + free_port() % 1000}"
+    elastic = [*LAUNCH, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1"]
+    elastic += ["--timeout", "60"]
+    marker = tmp_path / "killed"
+    train = [TRAIN, "--ckpt", str(tmp_path)]
+    nodes = [
+        start(machines.cmd(0, [*elastic, *train])),
+        start(machines.cmd(1, [*elastic, *train, "--crash", "5", "--crash-once", str(marker)])),
+    ]
+    (rc0, out0, err0, t0), (rc1, out1, err1, t1) = (finish(p, timeout=150) for p in nodes)
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert marker.exists(), "node 1's worker was never killed"
+    assert "unison launch: restarting the workers (restart 1 of 1)" in err1
+    assert_same_training(result(out0 + out1), single_machine)
+    assert max(t0, t1) < 60, (t0, t1)  # not one --timeout spent waiting on another attempt's keys

@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from unison.launch.launcher import parse_options, plan_launch
+from unison.launch.logs import RankLogsSpecs
 from unison.launch.rendezvous import check_rdzv_endpoint
-from unison.launch.support import LaunchError, RankLogsSpecs
+from unison.launch.support import LaunchError
 
 PROBE = Path(__file__).resolve().parents[1] / "scripts" / "probe.py"
 
@@ -44,12 +45,44 @@ def test_an_endpoint_port_held_by_another_program_fails_fast_saying_so(foreign_l
     assert elapsed < 20  # it used to wait past 120 s with no message
 
 
-def test_an_endpoint_port_held_by_a_store_is_accepted():
-    # Another node of the same job, started on this machine, hosts the rendezvous store there.
+def test_an_endpoint_port_held_by_this_jobs_store_is_accepted_another_jobs_refused():
+    """Another node of the same job, started on this machine, hosts the rendezvous store there (its
+    rendezvous key is in it): accepted. A store of another job (another run id, or a bare store)
+    is refused naming the run id, instead of being joined."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
     )
-    check_rdzv_endpoint(f"127.0.0.1:{store.port}")  # no error
+    store.set("torch.rendezvous.job-a", "")  # what torch's c10d backend writes first, for run id job-a
+    check_rdzv_endpoint(f"127.0.0.1:{store.port}", run_id="job-a")  # no error
+    with pytest.raises(LaunchError, match="holds no rendezvous 'job-b'"):
+        check_rdzv_endpoint(f"127.0.0.1:{store.port}", run_id="job-b", wait=1.0)
+
+
+@pytest.mark.slow
+def test_a_launch_on_another_jobs_store_is_refused_not_joined(tmp_path):
+    """A TCPStore of another job listens on the endpoint's port: the launch used to join it and run to
+    rc 0; it must refuse it before starting anything."""
+    foreign = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    script = tmp_path / "train.py"
+    script.write_text("print('RAN')\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.launch",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{foreign.port}",
+        "--rdzv-id",
+        "7",
+    ]
+    proc = subprocess.run([*cmd, "--timeout", "20", str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "RAN" not in proc.stdout
+    assert (
+        f"port {foreign.port} on this machine is held by a c10d store that holds no rendezvous '7'"
+        in proc.stderr
+    )
 
 
 def test_a_free_endpoint_port_is_accepted(foreign_listener):
@@ -82,3 +115,23 @@ def test_log_folders_and_files_are_private_to_the_user(tmp_path):
     with open(files[0], "w") as fh:  # torch's agent opens them so: the mode stays
         fh.write("x")
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+
+
+@pytest.mark.slow
+def test_a_node_that_never_comes_is_explained_not_an_empty_error(tmp_path):
+    """torch raises RendezvousTimeoutError with no text when a node is lost or never starts: the
+    launcher's line says what it means and which timeout ran out."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "unison.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    proc = subprocess.run([*cmd, "--timeout", "3", str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1
+    (line,) = [x for x in proc.stderr.splitlines() if "Error" in x]
+    assert line.startswith(
+        "unison launch: RendezvousTimeoutError: the nodes did not all join the rendezvous within its timeout "
+        "(3 s, --timeout): a node was lost or never started"
+    ), proc.stderr
+    assert "must never run" not in proc.stderr

@@ -10,6 +10,9 @@ GLOO_SOCKET_IFNAME, torch threads and its own weights checksum).
 With `--ckpt DIR` it checkpoints every step into DIR and fits with `resume=True`; with
 `--crash N` rank 1 kills itself (SIGKILL) before training step N of the first attempt, so the
 restarted job must resume from the last checkpoint and still end on the same weights.
+With `--crash-once MARKER` (besides `--crash N`) the process given it kills itself at step N
+if MARKER does not exist yet (it creates it first), whatever its rank and restart count: the
+multi-node tests pass it to one node's command only, whose restart count may differ.
 """
 
 import argparse
@@ -28,11 +31,18 @@ from unison.distributed import rank_distrib
 parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt", help="checkpoint every step into this folder, fit with resume=True")
 parser.add_argument("--crash", type=int, help="rank 1 dies before this training step, first attempt only")
+parser.add_argument("--crash-once", help="this process dies at --crash unless this marker file exists")
 args = parser.parse_args()
 
 
 class CrashOnce(Callback):
     def before_batch(self) -> None:
+        if args.crash_once:
+            here = self.learn.training and self.learn.train_iter == args.crash
+            if here and not os.path.exists(args.crash_once):
+                open(args.crash_once, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         here = self.learn.training and self.learn.train_iter == args.crash
         if here and first_attempt and rank_distrib() == 1:

@@ -126,13 +126,34 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
         wait += datetime.timedelta(seconds=max(NCCL_MARGIN_S, 0.25 * wait.total_seconds()))
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _generation += 1
-    # Keys unique to this group: the store may outlive it (a second distrib_ctx here, or an
-    # elastic restart sharing torch's agent store, where _generation starts again at 1).
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"unison/{restart}/{_generation}", _store(env, wait))
+    store = dist.PrefixStore(group_key_prefix(_generation), _store(env, wait))
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
     _created_here = True
     return True
+
+
+def group_key_prefix(generation: int, environ: dict[str, str] | None = None) -> str:
+    """The store keys of the `generation`-th group this process makes: the same on every rank.
+
+    Every rank of an attempt must build the same prefix, and TORCHELASTIC_RESTART_COUNT is not
+    agreed across machines: torch's agent counts a restart on the node whose worker failed, not
+    on a node that restarts its workers because that one re-joined (the ranks then waited on
+    different keys until the timeout). A store the workers host (rank 0, as `unison launch`
+    arranges) is new with every rendezvous round, so the group's number in this process is
+    enough. torch's agent store (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's default since
+    2.4) outlives the rounds and gives the workers nothing else per round, so there the restart
+    count stays, as torch's own `env://` has it: agreed on one machine; across machines use
+    `unison launch`, or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun.
+
+    >>> group_key_prefix(1, {})
+    'unison/1'
+    >>> group_key_prefix(2, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"})
+    'unison/agent-store/1/2'
+    """
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"unison/agent-store/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation}"
+    return f"unison/{generation}"
 
 
 def _bound_live_group(timeout: float | None) -> None:

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unison.distributed.env import DistribEnv
-from unison.distributed.group import created_by_unison, group_generation
+from unison.distributed.group import created_by_unison, group_generation, group_key_prefix
 
 #: Set by `unison launch` to the heartbeat store it hosts ("HOST:PORT"); see unison.launch.rendezvous.
 HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
@@ -76,9 +76,12 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._store = self._connect()
         # Scoped to this group: a later group (or an elastic restart) on the same store starts clean.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # The launcher's store (one machine, one agent) outlives the attempts, whose restart count it
+        # agrees on; across machines the count is not agreed (group_key_prefix), but the store is new.
+        hosted = bool(os.environ.get(HEARTBEAT_ENV))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if hosted else "-"
         job = os.environ.get("TORCHELASTIC_RUN_ID", "")  # a job nested in another shares no keys with it
-        self._prefix = f"unison/heartbeat/{job}/{restart}/{group_generation()}/"
+        self._prefix = f"unison/heartbeat/{job}/{attempt}/{group_key_prefix(group_generation())}/"
 
     @staticmethod
     def _connect() -> dist.Store | None:
@@ -123,6 +126,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
+        self._publish("left")  # a rank that leaves early is told apart from a stuck one
         # Let go of the store: held here it would outlive the group and be torn down only
         # while the interpreter exits, where a store client's destructor can abort the process.
         self._store = None
@@ -142,13 +146,18 @@ class Watchdog:
                 dumped = True
                 if self.exit_on_stall:
                     self._exit_if_another_stalled()
-            if self._store is not None:
-                beat = json.dumps({"t": time.time(), "at": list(last), "pid": os.getpid()})
-                try:
-                    self._store.set(f"{self._prefix}{self.rank}", beat)
-                except Exception:
-                    self._store = None  # the store is gone: the job is ending
+            self._publish("running")
             self._stop.wait(self.interval)
+
+    def _publish(self, state: str) -> None:
+        """This rank's heartbeat: where it is, and whether it is still `running` or has `left`."""
+        if self._store is None:
+            return
+        beat = json.dumps({"t": time.time(), "at": list(self._progress), "pid": os.getpid(), "state": state})
+        try:
+            self._store.set(f"{self._prefix}{self.rank}", beat)
+        except Exception:
+            self._store = None  # the store is gone: the job is ending
 
     def _exit_if_another_stalled(self) -> None:
         """Name the rank that stopped and end this process (exit code 1), before NCCL's watchdog
@@ -220,7 +229,10 @@ class Watchdog:
                 "or died before its first batch",
                 never[0],
             )
-        silent = [r for r, b in beats.items() if now - b["t"] > 3 * self.interval + 2]
+        # A rank that left publishes no more beats: its silence is no stall. (Another rank that
+        # failed on the same stall leaves too, at the others' position: the lagging one is named.)
+        left = {r for r, b in beats.items() if b.get("state") == "left" and r != self.rank}
+        silent = [r for r, b in beats.items() if r not in left and now - b["t"] > 3 * self.interval + 2]
         if silent:
             r = silent[0]
             return RankStalledError(
@@ -229,12 +241,21 @@ class Watchdog:
                 r,
             )
         positions = {r: tuple(b["at"]) for r, b in beats.items()}
-        lagging = min(positions, key=lambda r: positions[r])
+        positions[self.rank] = tuple(self._progress)  # live: its stored beat may be a second old
+        lagging = min(positions, key=lambda r: (positions[r], r not in left))
         ahead = max(positions.values())
+        if lagging in left or (left and positions[lagging] == ahead):
+            r = lagging if lagging in left else min(left)
+            return RankStalledError(
+                f"rank {r} left the training early at {_where(positions[r])} (its script returned or "
+                "exited, or left distrib_ctx) while the others went on",
+                r,
+            )
         if positions[lagging] < ahead:
             return RankStalledError(
                 f"rank {lagging} stopped taking part: stuck at {_where(positions[lagging])} while others "
-                f"reached {_where(ahead)} (its Python stacks are dumped to its stderr)",
+                f"reached {_where(ahead)}, or its process ended there (if stuck, its Python stacks go to "
+                f"its stderr after {self.timeout:.0f} s without progress)",
                 lagging,
             )
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -25,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unison.distributed.env import threads_per_worker
-from unison.distributed.group import TIMEOUT_ENV
 from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
 from unison.launch.rendezvous import (
     ReleaseStopped,
@@ -38,8 +37,6 @@ from unison.launch.rendezvous import (
 )
 from unison.launch.support import (
     LaunchError,
-    RankLogsSpecs,
-    RestartRefused,
     exported,
     failure_summary,
     interface_for,
@@ -48,11 +45,14 @@ from unison.launch.support import (
     port_in_use,
     quiet_torch_logs,
     resolve,
+    unreadable_error_files,
 )
 from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig
+
+    from unison.launch.logs import RankLogsSpecs
 
 __all__ = [
     "LaunchError",
@@ -290,6 +290,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.elastic.utils import macros
     from torch.distributed.launcher.api import LaunchConfig
 
+    from unison.distributed.env import threads_per_worker
+    from unison.distributed.group import TIMEOUT_ENV
+    from unison.launch.logs import RankLogsSpecs
+
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid())}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
     if opts.timeout is not None:
@@ -322,9 +326,11 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
         configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
         configs.update(rdzv_store_configs(endpoint, rdzv_timeout))  # the endpoint's owner hosts the store
-    if backend == "c10d" and opts.max_restarts > 0:
+    if backend == "c10d":
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
-        # store that outlives it (pytorch/pytorch#135712): rank 0 of each attempt hosts a fresh one.
+        # store that outlives it (pytorch/pytorch#135712), and the workers get nothing every node
+        # agrees on per round to keep them apart (group.group_key_prefix): rank 0 of each attempt
+        # hosts a fresh store. Elastic jobs restart on a node joining even with --max-restarts 0.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     configs.update({k: v for k, v in opts.torchrun.rdzv_conf.items() if k != "store_type"})  # --rdzv-conf
     agent = dict(opts.torchrun.agent)  # torchrun's options for torch's agent, as given
@@ -361,10 +367,12 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
 
+    from unison.launch.logs import RestartRefused
+
     quiet_torch_logs(opts.verbose)
-    if opts.rdzv_endpoint:
+    if opts.rdzv_endpoint and opts.torchrun.rdzv_backend in (None, "c10d"):  # etcd's is no TCPStore
         try:
-            check_rdzv_endpoint(opts.rdzv_endpoint)
+            check_rdzv_endpoint(opts.rdzv_endpoint, opts.rdzv_id)
         except LaunchError as exc:
             print(f"unison launch: error: {exc}", file=sys.stderr)
             return 2
@@ -398,14 +406,25 @@ def launch(opts: LaunchOptions) -> int:
     except KeyboardInterrupt:  # before torch's agent installed its handlers
         return 130
     except Exception as exc:  # rendezvous timeouts, unreachable master, ...: one line, not a trace
+        torn = unreadable_error_files(log_dir) if isinstance(exc, json.JSONDecodeError) else []
+        if torn:  # torch's agent stopped on it: name the rank rather than the parser's complaint
+            rank, path = torn[0]
+            print(
+                f"unison launch: rank {rank} failed and left an empty or torn error file ({path}); torch's "
+                f"agent stopped on it without restarting; its output: {path.parent}/rank{rank}.stderr.log",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         name = type(exc).__name__
+        text = str(exc).strip() or _silent_error_text(name, opts)
         hint = ""
         if any(word in name for word in ("Store", "Rendezvous", "Network")):
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
             if opts.rdzv_endpoint:
                 hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint)})"
-        print(f"unison launch: {name}: {str(exc).strip()}{hint}", file=sys.stderr, flush=True)
+        print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         sys.stdout.flush()
@@ -414,6 +433,19 @@ def launch(opts: LaunchOptions) -> int:
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):
                 os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
+
+
+def _silent_error_text(name: str, opts: LaunchOptions) -> str:
+    """What torch's rendezvous errors that carry no message mean (a lost node gave an empty line)."""
+    if name == "RendezvousTimeoutError":
+        wait = f"{opts.timeout:g} s, --timeout" if opts.timeout is not None else "600 s, torch's default"
+        return (
+            f"the nodes did not all join the rendezvous within its timeout ({wait}): a node was lost "
+            "or never started"
+        )
+    if name == "RendezvousClosedError":
+        return "the job's rendezvous was closed: another node ended the job (see its output)"
+    return "(torch gave no message)"
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

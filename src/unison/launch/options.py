@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections.abc import Mapping
@@ -180,16 +181,15 @@ def _ranks(spec: str, option: str) -> frozenset[int] | None:
 
 
 def _std(spec: str, option: str) -> str:
-    from torch.distributed.elastic.multiprocessing.api import Std
-
-    try:
-        Std.from_str(spec)
-    except (ValueError, KeyError):
-        raise LaunchError(f"{option} {spec}: expected 0-3 (none, out, err, both) or 0:1,1:2") from None
+    """torchrun's `--redirects` value checked as torch's `Std.from_str` reads it, without torch."""
+    if not re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", spec.strip()):
+        raise LaunchError(f"{option} {spec}: expected 0-3 (none, out, err, both) or 0:1,1:2")
     return spec
 
 
 def _rdzv_conf(spec: str) -> dict[str, Any]:
+    if not spec:
+        return {}
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
     try:

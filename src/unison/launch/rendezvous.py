@@ -16,11 +16,10 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-
-from unison.distributed.watchdog import HEARTBEAT_ENV
 
 
 def _listener(host: str) -> socket.socket:
@@ -38,10 +37,12 @@ def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Host the heartbeat store in this process for the block; yield the variables workers need.
 
     >>> with heartbeat_store() as env:
-    ...     env[HEARTBEAT_ENV]
+    ...     env["UNISON_HEARTBEAT_STORE"]
     '127.0.0.1:41234'
     """
     import torch.distributed as dist
+
+    from unison.distributed.watchdog import HEARTBEAT_ENV
 
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
@@ -116,8 +117,14 @@ class ReleaseStopped:
                         os.kill(child, signal.SIGCONT)
 
 
-def _answers_as_store(addr: str, port: int, wait: float) -> bool:
-    """True when the program listening at `addr:port` answers as a c10d TCPStore within `wait` s."""
+#: The key torch's c10d rendezvous backend creates first in its store (`C10dRendezvousBackend`).
+RDZV_KEY_PREFIX = "torch.rendezvous."
+
+
+def _probe_store(addr: str, port: int, key: str, wait: float) -> bool | None:
+    """What listens at `addr:port`: None if it does not answer as a c10d TCPStore within `wait`
+    s, else whether the store holds `key` (waited for up to `wait` s: the node hosting it may
+    have just made it)."""
     import torch.distributed as dist
 
     answered: list[bool] = []
@@ -127,15 +134,17 @@ def _answers_as_store(addr: str, port: int, wait: float) -> bool:
             store = dist.TCPStore(
                 addr, port, is_master=False, timeout=timedelta(seconds=wait), wait_for_workers=False
             )
-            store.check(["unison/probe"])
-            answered.append(True)
+            deadline = time.monotonic() + wait
+            while not store.check([key]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            answered.append(store.check([key]))
         except Exception:
-            answered.append(False)
+            return
 
     thread = threading.Thread(target=probe, name="unison-probe-store", daemon=True)
     thread.start()
-    thread.join(wait + 1.0)  # a client call has no bound of its own against a silent server
-    return bool(answered and answered[0])
+    thread.join(2 * wait + 1.0)  # a client call has no bound of its own against a silent server
+    return answered[0] if answered else None
 
 
 def is_local_address(addr: str) -> bool:
@@ -150,12 +159,13 @@ def is_local_address(addr: str) -> bool:
     return any(addr in addrs for addrs in interface_addresses().values())
 
 
-def check_rdzv_endpoint(endpoint: str, wait: float = 3.0) -> None:
-    """Fail fast when the elastic endpoint's port on this machine is held by a program that is not
-    a c10d store (torch's agent would connect to it and wait forever). A port held by a store is
-    fine: another node of the same job, started on this machine, hosts the rendezvous there.
+def check_rdzv_endpoint(endpoint: str, run_id: str = "unison", wait: float = 3.0) -> None:
+    """Fail fast when the elastic endpoint's port on this machine is held by anything but this
+    job's rendezvous store: a program that is not a c10d store (torch's agent would wait on it
+    forever), or another job's store (it would be joined, and the jobs mixed). A store holding
+    rendezvous `run_id` is fine: another node of the same job, started on this machine, hosts it.
 
-    >>> check_rdzv_endpoint("127.0.0.1:29400")  # raises LaunchError if a web server holds 29400
+    >>> check_rdzv_endpoint("127.0.0.1:29400", run_id="7")  # LaunchError if another job holds 29400
     """
     from unison.launch.support import LaunchError, port_in_use, resolve
 
@@ -164,10 +174,16 @@ def check_rdzv_endpoint(endpoint: str, wait: float = 3.0) -> None:
     port = int(port_text)
     if not is_local_address(addr) or not port_in_use(port):
         return  # another machine hosts it, or this node will
-    if not _answers_as_store(addr, port, wait):
+    ours = _probe_store(addr, port, RDZV_KEY_PREFIX + run_id, wait)
+    if ours is None:
         raise LaunchError(
             f"--rdzv-endpoint {endpoint}: port {port} on this machine is held by a program that is not "
             f"a c10d rendezvous store (no answer as one within {wait:.0f} s): choose a free port"
+        )
+    if not ours:
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint}: port {port} on this machine is held by a c10d store that holds no "
+            f"rendezvous {run_id!r} (another job's store): choose a free port, or this job's --rdzv-id"
         )
 
 

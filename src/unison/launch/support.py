@@ -1,8 +1,9 @@
-"""Helpers of `unison launch`: network checks, per-rank console output, the failure summary.
+"""Helpers of `unison launch`: option and network checks, the failure summary.
 
 Nothing here supervises a process or forms a rendezvous (torch's elastic agent does both):
-this module decides which interface gloo uses, checks a port before anything starts, tells
-torch where each rank's output goes, and turns torch's `ChildFailedError` into one summary.
+this module decides which interface gloo uses, checks a port before anything starts, and turns
+torch's `ChildFailedError` into one summary. It imports no torch at module level, so bad options
+are answered before torch loads (where each rank's output goes: `unison.launch.logs`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+if TYPE_CHECKING:  # torch is imported only once a launch starts: option errors come first (fast)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from unison.launch.rendezvous import private_dir, private_files
+    from unison.launch.logs import RankLogsSpecs
 
 
 class LaunchError(ValueError):
@@ -194,98 +195,25 @@ def quiet_torch_logs(verbose: bool) -> None:
             logger.setLevel(logging.INFO)
 
 
-# ---- console output ----------------------------------------------------------------------------
-class RankLogsSpecs(LogsSpecs):
-    """Where torch's agent sends each worker's output: files per rank, tailed to the console.
+def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
+    """`(rank, path)` of the latest attempt's error files that are empty or not whole JSON.
 
-    Every rank's stdout and stderr go to `<log_dir>/attempt_<k>/rank<R>.stdout.log` and
-    `.stderr.log` (`k`: restart count, `R`: global rank); torch's error file next to them is
-    `rank<R>.error.json`. torch's tailer prints them with the launch's line prefix
-    (`[rank0] `): both streams of every rank, except local ranks outside `ranks_filter`
-    (torchrun's `--local-ranks-filter`) and the streams `redirects` keeps off the console
-    (torchrun's `--redirects`: "1" stdout, "2" stderr, "3" both, or "0:1,1:3" per local rank).
+    torch's agent fails on one (`JSONDecodeError`) instead of reporting the rank and restarting:
+    unison's workers write theirs whole or not at all, but a `--no-python` program may not.
 
-    >>> specs = RankLogsSpecs("/tmp/logs", ranks_filter={0}, redirects="0")
+    >>> unreadable_error_files("/tmp/logs")  # rank 1 was stopped while writing its error file
+    [(1, PosixPath('/tmp/logs/attempt_0/rank1.error.json'))]
     """
-
-    def __init__(
-        self, log_dir: str, ranks_filter: Collection[int] | None = None, redirects: str = "0"
-    ) -> None:
-        super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
-        self.ranks_filter = None if ranks_filter is None else frozenset(ranks_filter)
-        self.console_off = Std.from_str(redirects)
-        #: local rank -> stderr file of the latest attempt (the summary's fallback when no traceback)
-        self.stderr_files: dict[int, str] = {}
-
-    def on_console(self, local_rank: int, stream: Std) -> bool:
-        """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
-        if self.ranks_filter is not None and local_rank not in self.ranks_filter:
-            return False
-        off = self.console_off
-        if isinstance(off, dict):
-            off = off.get(local_rank, Std.NONE)
-        return not off & stream
-
-    @property
-    def root_log_dir(self) -> str:
-        return str(self._root_log_dir)
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt != "0":  # torch's agent restarts the workers: say so (its own log is silenced)
-            hopeless = pointless_restart(os.path.join(self.root_log_dir, f"attempt_{int(attempt) - 1}"))
-            if hopeless:
-                raise RestartRefused(f"not restarting: {hopeless}")
-            most = next(iter(envs.values()), {}).get("TORCHELASTIC_MAX_RESTARTS", "?")
-            print(f"unison launch: restarting the workers (restart {attempt} of {most})", file=sys.stderr)
-        # 0700, files 0600: logs may hold secrets, and other local users must not read them.
-        base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
-        dest = LogsDest(
-            filtered_stdout=os.path.join(base, "filtered_stdout.log"),
-            filtered_stderr=os.path.join(base, "filtered_stderr.log"),
-        )
-        for local_rank, env in envs.items():
-            rank = int(env.get("RANK", local_rank))
-            stem = os.path.join(base, f"rank{rank}")
-            out, err, error_file = f"{stem}.stdout.log", f"{stem}.stderr.log", f"{stem}.error.json"
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(error_file)  # a stale one from an earlier run would be read as this failure
-            private_files(out, err)
-            dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
-            if self.on_console(local_rank, Std.OUT):
-                dest.tee_stdouts[local_rank] = out
-            if self.on_console(local_rank, Std.ERR):
-                dest.tee_stderrs[local_rank] = err
-            dest.error_files[local_rank] = error_file
-            env["TORCHELASTIC_ERROR_FILE"] = error_file
-            self.stderr_files[local_rank] = err
-        return dest
-
-
-class RestartRefused(RuntimeError):
-    """A restart that cannot succeed (the last attempt failed on a full disk): the launch stops."""
-
-
-#: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError",)
-
-
-def pointless_restart(attempt_dir: str) -> str | None:
-    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None.
-
-    >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
-    'rank 0 failed with DiskFullError: disk full (ENOSPC) writing ...'
-    """
-    for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
+    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    found = []
+    for error_file in sorted(attempts[-1].glob("rank*.error.json")) if attempts else []:
         try:
-            message = json.loads(error_file.read_text())["message"]
-            headline = str(message["message"] if isinstance(message, dict) else message)
-        except (OSError, ValueError, KeyError, TypeError):
+            json.loads(error_file.read_text())
+        except ValueError:
+            found.append((int(error_file.name.split(".")[0].removeprefix("rank")), error_file))
+        except OSError:
             continue
-        if any(headline.startswith(f"{name}:") or f".{name}:" in headline for name in _HOPELESS):
-            rank = error_file.name.split(".")[0].removeprefix("rank")
-            return f"rank {rank} failed with {headline.strip()}"
-    return None
+    return found
 
 
 # ---- failure summary ---------------------------------------------------------------------------

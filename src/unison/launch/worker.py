@@ -13,7 +13,9 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    `python -m module args...` would (`-m`), or execs a program (`--exec`, torchrun's
    `--no-python`); on an exception it writes the traceback to torch's error file
    (`TORCHELASTIC_ERROR_FILE`, with the error handler behind torch's `@record`), so the
-   launcher's failure summary can show it.
+   launcher's failure summary can show it. The file reaches torch's path whole or not at all
+   (written beside it, then renamed): torch's agent reads it with `json.load` and fails on an
+   empty or torn one, which cancelled a restart when a rank was stopped while writing it.
 
 >>> # what the agent runs for each rank:
 >>> # python -m unison.launch.worker train.py --epochs 3
@@ -22,6 +24,8 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import runpy
 import signal
@@ -110,6 +114,43 @@ def exec_program(program: str, args: list[str]) -> None:
         raise SystemExit(f"unison launch: cannot run {program}: {exc.strerror}") from None
 
 
+#: Suffix of the error file while it is written (torch's agent never reads this name).
+STAGED_SUFFIX = ".partial"
+
+
+def stage_error_file() -> str | None:
+    """Point TORCHELASTIC_ERROR_FILE (read by torch's `@record` and error handler) at a staging name.
+
+    Returns torch's own path, where `publish_error_file` renames a whole file; None outside
+    torch's agent.
+    """
+    final = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not final:
+        return None
+    os.environ["TORCHELASTIC_ERROR_FILE"] = final + STAGED_SUFFIX
+    return final
+
+
+def publish_error_file(final: str | None) -> None:
+    """Rename the staged error file onto `final` if it holds whole JSON; else drop it.
+
+    A rename is atomic: the agent sees no file (it then reports the exit code or signal) or a
+    whole one, never the empty or torn file a write cut short leaves.
+    """
+    if final is None:
+        return
+    staged = final + STAGED_SUFFIX
+    try:
+        with open(staged) as fh:
+            json.load(fh)
+        os.replace(staged, final)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):  # torn (a full disk) or unreadable: no file beats a bad one
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+
+
 def _die_by_sigint() -> None:
     """End as an interrupted Python does (killed by SIGINT), so the launcher reports the signal."""
     sys.stdout.flush()
@@ -140,14 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     handler = get_error_handler()  # what torch's @record uses
     handler.initialize()
     hook_before = sys.excepthook
+    error_file = stage_error_file()
     try:
         set_threads()  # imports unison: a broken install is reported like the script's own errors
         (run_module if entry == "module" else run_script)(argv[0], argv[1:])
+    except SystemExit:  # the script's own exit, perhaps after its own @record wrote the file
+        publish_error_file(error_file)
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         interrupted = isinstance(exc, KeyboardInterrupt)
         if not interrupted:
-            handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
+            with contextlib.suppress(OSError):  # a full disk: the summary shows the stderr log instead
+                handler.record_exception(exc)  # TORCHELASTIC_ERROR_FILE: the launcher's summary shows it
+            publish_error_file(error_file)
         hook = sys.excepthook
         if getattr(hook, "__name__", "") == "_distributed_excepthook":
             hook = hook_before  # torch's "[rankN]: " prefix: the launcher prefixes every line already

@@ -62,8 +62,7 @@ from unison.data.loader import DistributedDL
 from unison.data.stream import StreamDL, loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
-from unison.distributed.sharded import is_sharded
-from unison.distributed.sharded_checkpoint import load_learner, save_learner
+from unison.distributed.sharded_checkpoint import is_sharded, load_learner, save_learner
 from unison.exact_loss import ExactLoss
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics

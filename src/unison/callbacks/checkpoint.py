@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
-from unison.distributed.sharded import is_sharded
 from unison.distributed.sharded_checkpoint import (
+    is_sharded,
     load_sharded_weights,
     read_meta,
     save_sharded,

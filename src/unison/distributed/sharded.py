@@ -36,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from unison.callbacks.core import Callback
 from unison.distributed.env import group_active
 from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.sharded_checkpoint import is_sharded
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.trainer import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.watchdog import RankStalledError
@@ -68,11 +69,6 @@ def return_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, 65536))
     except (OSError, AttributeError):
         return False
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True when `model` was sharded with `fully_shard` (its parameters are DTensor shards)."""
-    return isinstance(model, FSDPModule)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -55,6 +55,12 @@ from unison.serialization import (
 META_FILE = "unison.pth"
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` was sharded with `fully_shard` (its parameters are DTensor shards).
+    (Defined here, not in sharded.py, so callbacks can ask without importing the trainer.)"""
+    return isinstance(model, FSDPModule)
+
+
 def sharded_path(file: str | os.PathLike[str]) -> Path:
     """Where the sharded form of checkpoint `file` lives: the same name with `.dcp`."""
     return Path(file).with_suffix(".dcp")

@@ -445,3 +445,24 @@ def test_seed004_by_hand_on_loopback() -> None:
         assert rc == 0, err
     (d0,), (d1,) = (digests(out).values() for _, out, _, _ in results)
     assert d0 == d1, "ranks ended with different weights"
+
+
+def test_backend_option_reaches_every_worker(tmp_path: Path) -> None:
+    """`--backend gloo` (CPU training on a GPU machine): every worker's group is gloo, by the variable."""
+    with pytest.raises(LaunchError, match="--backend: invalid choice: 'mpi'"):
+        launch_mod.parse_options(["--backend", "mpi", str(SCRIPTS / "probe.py")])
+    script = tmp_path / "which.py"
+    script.write_text(
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "from unison.distributed import setup_distrib, teardown_distrib\n"
+        "setup_distrib()\n"
+        "print('BACKEND', os.environ['UNISON_BACKEND'], dist.get_backend(), dist.get_rank())\n"
+        "teardown_distrib()\n"
+    )
+    rc, out, err, _ = run([*LAUNCH, "--nproc", "2", "--backend", "gloo", str(script)])
+    assert rc == 0, err
+    assert sorted(line.split("] ", 1)[1] for line in out.splitlines() if "BACKEND" in line) == [
+        "BACKEND gloo gloo 0",
+        "BACKEND gloo gloo 1",
+    ]

@@ -133,6 +133,7 @@ class LaunchOptions:
     legacy_local_rank: bool = False
     all_ranks_stdout: bool = False  # accepted; every rank's stdout is shown by default
     verbose: bool = False
+    backend: str | None = None  # "gloo": CPU training on a GPU machine (exported as UNISON_BACKEND)
     torchrun: TorchrunChoices = field(default_factory=TorchrunChoices)
 
     @property
@@ -183,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--log-dir", "--log_dir", metavar="D", help="keep every rank's stdout/stderr/error file in D")
     add("--legacy-local-rank", action="store_true", help="pass --local_rank=N before the script's args")
     add("--all-ranks-stdout", action="store_true", help="accepted: every rank's stdout is shown anyway")
+    add(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="process-group backend for every worker (gloo: train on the CPUs of a GPU machine)",
+    )
     add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
     add("script", help="the training script (a module with -m, a program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -255,7 +261,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
                 "rendezvous there): choose a free port"
             )
     passed = ("rdzv_endpoint", "rdzv_id", "max_restarts", "timeout", "log_dir", "legacy_local_rank")
-    passed += ("all_ranks_stdout", "verbose")
+    passed += ("all_ranks_stdout", "verbose", "backend")
     return LaunchOptions(
         a.script, tuple(a.script_args), nproc, gpus, min_nodes, max_nodes, node_rank,
         master_addr, master_port, **{name: getattr(a, name) for name in passed}, torchrun=torchrun,
@@ -298,6 +304,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
+    if opts.backend is not None:
+        from unison.distributed.devices import BACKEND_ENV
+
+        env[BACKEND_ENV] = opts.backend  # read by setup_distrib and the trainers in every worker
     if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in opts.gpus)

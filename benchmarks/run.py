@@ -223,7 +223,12 @@ def main() -> None:
     ]
     table = "\n".join(lines)
     print("\n" + table)
-    Path(args.out).write_text(table + "\n")
+    out = Path(args.out)
+    # This table heads the file; the other benchmarks' sections (the first `### ` or `<!--` line on)
+    # are kept as they are.
+    kept = out.read_text() if out.exists() else ""
+    starts = [i for i in (kept.find("\n### "), kept.find("\n<!--")) if i >= 0]
+    out.write_text(table + "\n" + (kept[min(starts) :] if starts else ""))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Callback, Checkpoint, CheckpointError, DataLoaders, Learner, set_seed
+from tests.callbacks.test_checkpoint import Stop, StopAt  # the same stand-in for a crash
+from unison import Checkpoint, CheckpointError, DataLoaders, Learner, set_seed
 from unison.distributed import Collective
 from unison.distributed.sharded_checkpoint import (
     export_state_dict,
@@ -26,23 +27,6 @@ from unison.distributed.sharded_checkpoint import (
 
 N_TRAIN, EPOCHS = 96, 2
 SAVER = Path(__file__).parent.parent / "fault_scripts" / "sharded_saver.py"
-
-
-class Stop(Exception):
-    """Stands for a crash: not a cancel exception, so fit ends at once."""
-
-
-class StopAt(Callback):
-    order = 95  # after Checkpoint wrote this batch's state
-
-    def __init__(self, at):
-        self.at, self.count = at, 0
-
-    def after_batch(self):
-        if self.learn.training:
-            self.count += 1
-            if self.count == self.at:
-                raise Stop()
 
 
 def _learner(path, bs, init_seed=0):

@@ -67,7 +67,9 @@ def _worker_main(rank: int, world_size: int, port: int, init_group: bool, tasks,
         except BaseException as exc:  # report everything, the test decides
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     if init_group and dist.is_initialized():
-        dist.destroy_process_group()
+        from unison.distributed.group import destroy_group
+
+        destroy_group()  # gloo's destructor can deadlock without the settle pause it takes
 
 
 class RankFailed(AssertionError):

@@ -5,7 +5,9 @@ output, `-m` / `--no-python` entries, `__file__`, Ctrl-C, and public torchrun-st
 from __future__ import annotations
 
 import re
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -165,16 +167,42 @@ def _digests(out: str) -> dict[int, tuple[str, str]]:
     return {int(r): (h, s) for _, r, h, s in DIGEST.findall(out)}
 
 
+def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path | None = None):
+    """Run the tutorial in `folder` (a copy of `before`); rc, stdout, stderr.
+
+    KNOWN TORCH DEFECT: torch's gloo process-group destructor runs holding the GIL and waits for
+    its threads, one of which may need the GIL to free the last gradient all-reduce: the rank
+    deadlocks after its last line (pytorch/pytorch#56297). The script frees DDP just after
+    `destroy_process_group`, where it bites. It hit 1 launch in 3 while unison's worker
+    bootstrap imported FSDP/DTensor (fixed: tests/launch/test_worker.py); 0 in 22 since, and
+    0 in 10 under torchrun. Should it still happen, a launch whose every rank printed its final
+    weights and then hung is run once more, from the same starting files.
+    """
+    for attempt in (1, 2):
+        where = folder.with_name(f"{folder.name}-{attempt}")
+        shutil.copytree(before, where) if before is not None else where.mkdir()
+        proc, _ = start(cmd, env=env, cwd=where)
+        try:
+            out, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            if attempt == 1 and sorted(_digests(out)) == [0, 1]:
+                continue
+            pytest.fail(f"{cmd} did not finish in 90 s\nstdout:\n{out}\nstderr:\n{err}")
+        shutil.copytree(where, folder, dirs_exist_ok=True)
+        return proc.returncode, out, err
+    raise AssertionError("unreachable")
+
+
 def test_torchrun_tutorial_script_runs_as_under_torchrun(tmp_path: Path) -> None:
     """pytorch/examples' multigpu_torchrun.py shape (CPU edits only), with its README's command."""
     script = str(ROOT / "examples" / "ddp_tutorial" / "multigpu_torchrun.py")
     readme = ["--standalone", "--nproc_per_node=2", script, "3", "1"]
-    (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    ours = start([*LAUNCH, *readme], env=env, cwd=tmp_path / "a")
     theirs = start([PY, "-m", "torch.distributed.run", *readme], env=env, cwd=tmp_path / "b")
-    rc, out, err, _ = finish(ours)
+    rc, out, err = run_tutorial([*LAUNCH, *readme], env, tmp_path / "a")
     rc2, out2, err2, _ = finish(theirs)
     assert rc == 0, err
     assert rc2 == 0, err2
@@ -184,7 +212,7 @@ def test_torchrun_tutorial_script_runs_as_under_torchrun(tmp_path: Path) -> None
     assert {f"[rank{r}] [CPU{r}] Epoch 2 | Batchsize: 32 | Steps: 4" for r in (0, 1)} <= set(out.splitlines())
     assert (tmp_path / "a" / "snapshot.pt").exists()  # written where the user ran it
     # started again, it resumes from its snapshot, as under torchrun
-    rc, out, err, _ = run([*LAUNCH, *readme[:-2], "4", "1"], env=env, cwd=tmp_path / "a")
+    rc, out, err = run_tutorial([*LAUNCH, *readme[:-2], "4", "1"], env, tmp_path / "again", tmp_path / "a")
     assert rc == 0, err
     assert "[rank0] Resuming training from snapshot at Epoch 3" in out.splitlines()
     assert "Epoch 3 |" in out and "Epoch 2 |" not in out

@@ -1,21 +1,70 @@
 """Distributed and parallel training: environment, process group, sharded loader, trainers, sync BN.
 
 >>> from unison.distributed import rank_distrib, num_distrib, rank0_first, DistributedDL
+
+The names load on first use (PEP 562), so importing one light module (`unison.distributed.env`,
+as every `unison launch` worker does) does not import FSDP, DTensor and checkpointing: those
+imports change torch's state in ways a plain torch script must not inherit from its launcher
+(with them loaded, torch's gloo group deadlocked at exit about 1 run in 3, pytorch/pytorch#56297).
 """
 
-from unison.data.loader import DistributedDL
-from unison.distributed.collective import Collective
-from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
-from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
-from unison.distributed.sharded import ShardedTrainer, is_sharded
-from unison.distributed.sharded_checkpoint import export_state_dict
-from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-from unison.distributed.trainer import (
-    DataParallel,
-    DistributedDataParallel,
-    DistributedTrainer,
-    ParallelTrainer,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unison.data.loader import DistributedDL
+    from unison.distributed.collective import Collective
+    from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
+    from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
+    from unison.distributed.sharded import ShardedTrainer, is_sharded
+    from unison.distributed.sharded_checkpoint import export_state_dict
+    from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+    from unison.distributed.trainer import (
+        DataParallel,
+        DistributedDataParallel,
+        DistributedTrainer,
+        ParallelTrainer,
+    )
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "DistributedDL": "unison.data.loader",
+    "Collective": "unison.distributed.collective",
+    "DistribEnv": "unison.distributed.env",
+    "is_main_process": "unison.distributed.env",
+    "local_rank": "unison.distributed.env",
+    "num_distrib": "unison.distributed.env",
+    "rank_distrib": "unison.distributed.env",
+    "DEFAULT_TIMEOUT_S": "unison.distributed.group",
+    "rank0_first": "unison.distributed.group",
+    "setup_distrib": "unison.distributed.group",
+    "teardown_distrib": "unison.distributed.group",
+    "ShardedTrainer": "unison.distributed.sharded",
+    "is_sharded": "unison.distributed.sharded",
+    "export_state_dict": "unison.distributed.sharded_checkpoint",
+    "SyncBatchNorm": "unison.distributed.sync_bn",
+    "convert_sync_batchnorm": "unison.distributed.sync_bn",
+    "revert_sync_batchnorm": "unison.distributed.sync_bn",
+    "DataParallel": "unison.distributed.trainer",
+    "DistributedDataParallel": "unison.distributed.trainer",
+    "DistributedTrainer": "unison.distributed.trainer",
+    "ParallelTrainer": "unison.distributed.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (`from unison.distributed import X` works as always)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unison.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

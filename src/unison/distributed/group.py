@@ -13,6 +13,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ T = TypeVar("T")
 #: Seconds a collective may wait for the other ranks before failing (torch's default is 1800).
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "UNISON_TIMEOUT"
+#: Seconds the main thread gives gloo's threads, without the GIL, before a group is destroyed.
+GLOO_SETTLE_S = 0.02
 #: Extra seconds an NCCL group waits beyond the timeout, for unison's stall diagnosis to come first.
 NCCL_MARGIN_S = 30.0
 
@@ -177,8 +180,23 @@ def teardown_distrib() -> None:
     """
     global _created_here
     if group_active():
-        dist.destroy_process_group()
+        destroy_group()
     _created_here = False
+
+
+def destroy_group(group: dist.ProcessGroup | None = None) -> None:
+    """`dist.destroy_process_group(group)`, after a pause that lets gloo's threads settle.
+
+    torch's gloo group destructor runs holding the GIL and waits for its threads, while a
+    thread freeing a just-finished collective (tensors Python has dropped) needs the GIL: the
+    two deadlock (pytorch/pytorch#56297). A short sleep, which releases the GIL and the CPU,
+    lets those threads finish first; every collective unison waited on has completed by now.
+
+    >>> destroy_group()  # the default group
+    """
+    if dist.get_backend(group) == "gloo":
+        time.sleep(GLOO_SETTLE_S)
+    dist.destroy_process_group(group)
 
 
 def group_generation() -> int:

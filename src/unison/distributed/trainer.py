@@ -26,7 +26,7 @@ from unison.data.loader import shard_problem
 from unison.distributed.collective import Collective
 from unison.distributed.devices import BACKEND_ENV, pick_device, place_training_state
 from unison.distributed.env import group_active
-from unison.distributed.group import resolve_timeout, setup_distrib, teardown_distrib
+from unison.distributed.group import destroy_group, resolve_timeout, setup_distrib, teardown_distrib
 from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError, Watchdog
 
@@ -185,7 +185,7 @@ class RankMonitor:
     def stop(self) -> None:
         self.watchdog.stop()
         if self._barrier_group is not None:
-            dist.destroy_process_group(self._barrier_group)
+            destroy_group(self._barrier_group)
             self._barrier_group = None
 
 

@@ -15,7 +15,13 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    (`TORCHELASTIC_ERROR_FILE`, with the error handler behind torch's `@record`), so the
    launcher's failure summary can show it. The file reaches torch's path whole or not at all
    (written beside it, then renamed): torch's agent reads it with `json.load` and fails on an
-   empty or torn one, which cancelled a restart when a rank was stopped while writing it.
+   empty or torn one, which cancelled a restart when a rank was stopped while writing it;
+5. ends the process as multiprocessing's children do (`end_process`): the script's threads
+   joined, `atexit` handlers run, open files flushed, then `os._exit`, skipping interpreter
+   finalization. A gloo process group still alive at finalization aborts the process when one
+   of its threads frees a finished collective's tensors (it needs the GIL, which finalization
+   no longer gives: "terminate called without an active exception", SIGABRT after correct
+   results; pytorch/pytorch#179291). Nothing a user relies on is skipped.
 
 >>> # what the agent runs for each rank:
 >>> # python -m unison.launch.worker train.py --epochs 3
@@ -24,13 +30,18 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import io
 import json
 import os
 import runpy
 import signal
 import sys
+import threading
 from types import TracebackType
+from typing import NoReturn
 
 #: Set by `unison launch` to its own pid: a worker whose parent is already gone exits at once.
 LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
@@ -159,6 +170,47 @@ def _die_by_sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The status Python would exit with for `exc` (a message is printed to stderr, status 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _flush_open_files() -> None:
+    """Flush every open writable file object, as finalization would when it closes them."""
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.FileIO)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), kinds):  # not isinstance: it would read odd objects' __class__
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+
+
+def end_process(status: int) -> NoReturn:
+    """Exit with `status` the way multiprocessing's children do, without interpreter finalization.
+
+    In Python's own order: wait for the script's non-daemon threads, run the `atexit` handlers
+    (logging, DataLoader workers, `weakref.finalize`), flush files and the console, then
+    `os._exit`. Finalization is skipped because torch's gloo threads may still be freeing a
+    finished collective when it starts, and they abort the process then (module docstring).
+
+    >>> end_process(0)  # doctest: +SKIP
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()  # type: ignore[union-attr]
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Bootstrap this worker, then run the user's script (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -185,9 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         set_threads()  # imports unison: a broken install is reported like the script's own errors
         (run_module if entry == "module" else run_script)(argv[0], argv[1:])
-    except SystemExit:  # the script's own exit, perhaps after its own @record wrote the file
+    except SystemExit as exc:  # the script's own exit, perhaps after its own @record wrote the file
         publish_error_file(error_file)
-        raise
+        end_process(exit_status(exc))
     except (Exception, KeyboardInterrupt) as exc:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         interrupted = isinstance(exc, KeyboardInterrupt)
@@ -201,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         hook(type(exc), exc, exc.__traceback__)
         if interrupted:  # Ctrl-C: the traceback once, with one prefix, then the signal's exit
             _die_by_sigint()
-        sys.exit(1)
+        end_process(1)
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
     its threads, one of which may need the GIL to free the last gradient all-reduce: the rank
     deadlocks after its last line (pytorch/pytorch#56297). The script frees DDP just after
     `destroy_process_group`, where it bites. It hit 1 launch in 3 while unison's worker
-    bootstrap imported FSDP/DTensor (fixed: tests/launch/test_worker.py); 0 in 22 since, and
+    bootstrap imported FSDP/DTensor (fixed: tests/launch/test_worker.py); 0 in 12 since, and
     0 in 10 under torchrun. Should it still happen, a launch whose every rank printed its final
     weights and then hung is run once more, from the same starting files.
     """

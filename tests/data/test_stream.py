@@ -98,6 +98,20 @@ def test_one_cycle_on_a_stream_without_length_is_refused_at_fit_start():
     assert bounded.iter == 2 and bounded.n_iter == 3  # the epoch stops at steps_per_epoch
 
 
+def test_lr_find_on_a_stream_without_length_sweeps_as_on_the_same_rows_in_a_list():
+    """Used to fail with `TypeError: object of type ... has no len()`; 6 steps an epoch, 15 asked."""
+    x, y = _data(24)
+    valid = Table(*_data(8, seed=2))  # never run by the sweep; it sets the model's shape here
+    streamed = _learner(Table(x, y), valid, bs=4)
+    listed = _learner(list(zip(x, y, strict=True)), valid, bs=4)
+    with contextlib.redirect_stdout(io.StringIO()):
+        lr = streamed.lr_find(num_it=15)
+        expected = listed.lr_find(num_it=15)
+    assert len(streamed.lr_finder.losses) == 15  # across 3 passes over the stream
+    assert streamed.lr_finder.losses == listed.lr_finder.losses
+    assert lr == expected
+
+
 # ---- real ranks ---------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.callbacks.core import Callback, CancelFitException, CancelValidException
+from unison.data.stream import loader_length
 
 if TYPE_CHECKING:
     from unison.learner import Learner
@@ -237,8 +238,9 @@ def lr_find(
         learn.create_opt()
     snapshot = learn.snapshot()
     finder = LRFinder(start_lr, end_lr, num_it, stop_div)
-    n_batches = max(1, len(learn.dls.train) // max(1, learn.collective.world_size))
-    n_epoch = math.ceil(num_it / n_batches)
+    batches = loader_length(learn.dls.train)  # None: a stream of unknown length
+    n_batches = max(1, batches // max(1, learn.collective.world_size)) if batches else 1
+    n_epoch = math.ceil(num_it / n_batches)  # enough passes; the finder stops the fit at num_it
     try:
         with learn.recorder.pause():
             learn.fit(n_epoch, cbs=[finder])

@@ -6,8 +6,9 @@
 ...     learn.fit_one_cycle(3)
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unison.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -99,19 +100,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (`from unison import Learner` works as always)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unison' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
-
+__getattr__, __dir__ = lazy_exports("unison", _EXPORTS, globals())
 
 __all__ = [
     "AccumMetric",

@@ -8,8 +8,9 @@ imports change torch's state in ways a plain torch script must not inherit from 
 (with them loaded, torch's gloo group deadlocked at exit about 1 run in 3, pytorch/pytorch#56297).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unison.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from unison.data.loader import DistributedDL
@@ -52,19 +53,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (`from unison.distributed import X` works as always)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unison.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
-
+__getattr__, __dir__ = lazy_exports("unison.distributed", _EXPORTS, globals())
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

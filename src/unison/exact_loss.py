@@ -12,6 +12,7 @@ when the count is the batches' rows, N comes from the loader's plan, without a c
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,15 @@ from torch import Tensor
 
 from unison.data.batch import batch_size_of
 from unison.data.loader import DistributedDL
-from unison.losses import SummedLoss, TokenCrossEntropy, label_count, own_field, zero_loss
+from unison.losses import (
+    SummedLoss,
+    TokenCrossEntropy,
+    count_by_rule,
+    model_loss,
+    output_logits,
+    own_loss_rule,
+    zero_loss,
+)
 
 if TYPE_CHECKING:
     from unison.distributed.collective import Collective
@@ -80,6 +89,8 @@ class ExactLoss:
         self.count_is_rows: bool | None = None
         self._func: Any = object()
         self._takes_targets = True
+        self._own_rule: str | None = None  # which labels the model's own loss scored (losses.py)
+        self._own_rule_for: Any = None  # the loader of the pass that rule was read on
 
     def start_epoch(self, batch_size: int | None) -> None:
         self.step = StepCount(float(batch_size or 1))
@@ -105,12 +116,23 @@ class ExactLoss:
         return out * n, n, out
 
     def _own_terms(self, learn: Learner) -> tuple[Tensor, float, Tensor | None]:
-        """The model's own mean loss, counted over the HF `labels` it scored (not -100)."""
-        mean = own_field(learn.pred, "loss")
+        """The model's own mean loss, counted over the HF `labels` it scored. Which labels it
+        scored is read from its output on the first batch of each pass (`own_loss_rule`): a
+        wrapper, subclass, compiled or sharded model is counted as it computed."""
+        mean = model_loss(learn.pred)
         inputs = learn.xb[0] if len(learn.xb) == 1 and isinstance(learn.xb[0], dict) else {}
         labels = inputs.get("labels")
         self.count_is_rows = labels is None
-        count = float(label_count(learn.raw_model, labels) if labels is not None else batch_size_of(learn.xb))
+        if labels is None:
+            count = float(batch_size_of(learn.xb))
+        else:
+            if self._own_rule_for is not learn.dl or self._own_rule is None:
+                logits = None
+                with contextlib.suppress(ValueError):  # no logits: own_loss_rule refuses, naming the fix
+                    logits = output_logits(learn.pred)
+                self._own_rule = own_loss_rule(logits, labels, mean)
+                self._own_rule_for = learn.dl
+            count = float(count_by_rule(self._own_rule, labels))
         if count == 0:  # every label ignored: the model's mean is 0/0
             return zero_loss(learn.pred), 0.0, None
         return mean * count, count, mean

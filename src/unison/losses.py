@@ -11,8 +11,9 @@ loss is read as `SummedLoss(mean * batch_size, batch_size)`.
 >>> Learner(dls, gpt2, loss_func)                # doctest: +SKIP
 
 With `loss_func=None` the loss is the model's own (`out.loss` or `out["loss"]`); for a
-dict batch with Hugging Face `labels` it is made exact the same way, the count being
-the labels that are not -100 (shifted by one for a causal LM).
+dict batch with Hugging Face `labels` it is made exact the same way, the count read from
+what the model computed (`own_loss_count`): never from its class name, so a wrapped,
+subclassed, compiled or sharded causal LM is counted as it scored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 IGNORE_INDEX = -100  # PyTorch's and Hugging Face's "not a target"
 
@@ -52,7 +53,7 @@ class TokenCrossEntropy:
         self.ignore_index, self.shift = ignore_index, shift
 
     def __call__(self, pred: Any, labels: Tensor) -> SummedLoss:
-        logits = own_field(pred, "logits") if not isinstance(pred, Tensor) else pred
+        logits = output_logits(pred)
         if self.shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         total = F.cross_entropy(
@@ -77,26 +78,115 @@ def own_field(out: Any, name: str) -> Any:
     return value
 
 
-def _is_causal_lm(model: nn.Module) -> bool:
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:
-        return False
-    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+def output_logits(out: Any) -> Any:
+    """What a metric scores from a model's output, by one rule: a tensor is itself; a dict or
+    `ModelOutput` gives its `logits`; a tuple (`return_dict=False`) gives its second element when
+    the first is a 0-dim loss (`(loss, logits, ...)`), else its first. Any other structure is
+    refused naming it.
+
+    >>> output_logits((torch.tensor(0.7), torch.zeros(2, 3))).shape
+    torch.Size([2, 3])
+    """
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) or hasattr(out, "logits"):
+        logits = out.get("logits") if isinstance(out, Mapping) else out.logits
+        if logits is not None:
+            return logits
+    elif isinstance(out, (tuple, list)) and out and all(isinstance(t, Tensor) for t in out[:2]):
+        return out[1] if out[0].dim() == 0 and len(out) > 1 else out[0]
+    raise ValueError(
+        f"cannot tell which part of the model's output ({describe_output(out)}) holds its logits: "
+        "return a tensor, a dict or ModelOutput with 'logits', or a tuple (loss, logits, ...)"
+    )
 
 
-def label_count(model: nn.Module, labels: Tensor) -> int:
-    """How many terms a Hugging Face model's mean loss averaged: labels that are not -100,
-    without the first position for a causal LM (it predicts each token from those before).
+def describe_output(out: Any) -> str:
+    """`dict with keys ['a', 'b']`, `tuple of 3`, or the class name: a structure named in errors."""
+    if isinstance(out, Mapping):
+        return f"{type(out).__name__} with keys {sorted(map(str, out))}"
+    if isinstance(out, (tuple, list)):
+        return f"{type(out).__name__} of {len(out)}"
+    return type(out).__name__
 
-    >>> label_count(bert_classifier, torch.tensor([1, 0, -100]))   # doctest: +SKIP
+
+def _token_mean(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def _token_means(logits: Any, labels: Tensor) -> dict[str, Tensor]:
+    """The token-mean losses a model can have computed from its logits and integer labels: over
+    every label ("plain") or each position against the next label ("shifted")."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.shape[:-1] != labels.shape:
+        return {}
+    logits = logits.detach()
+    rules = {"plain": _token_mean(logits, labels)}
+    if labels.dim() >= 2 and bool((labels[..., 1:] != IGNORE_INDEX).any()):
+        rules["shifted"] = _token_mean(logits[..., :-1, :], labels[..., 1:])
+    return rules
+
+
+def own_loss_rule(logits: Any, labels: Tensor, loss: Tensor) -> str | None:
+    """Which terms a model's own mean loss averaged, read from what it computed: "elements" for
+    float labels (regression, multi-label: a mean over every element); otherwise the loss is
+    recomputed from the logits and labels as a token mean over every label ("plain") and over the
+    labels shifted by one ("shifted", a causal LM), and the one equal to the model's loss is the
+    rule, whatever the model's class, wrapper or sharding. None when nothing tells (every label
+    ignored, a non-finite loss). A loss matching neither is refused in one line.
+
+    >>> logits, labels = torch.randn(1, 4, 5), torch.tensor([[1, 2, 3, -100]])
+    >>> own_loss_rule(logits, labels, F.cross_entropy(logits[0, :-1], labels[0, 1:]))
+    'shifted'
+    """
+    if labels.is_floating_point():
+        return "elements"
+    value = loss.detach().float()
+    if not bool((labels != IGNORE_INDEX).any()) or not bool(torch.isfinite(value)):
+        return None
+    rules = _token_means(logits, labels)
+    if not rules:
+        raise ValueError(
+            f"cannot make the model's own loss exact: its output has no logits shaped like its labels "
+            f"{tuple(labels.shape)} to count the terms it averaged; return logits with the loss, or pass "
+            "loss_func=TokenCrossEntropy(shift=...) or a loss_func returning SummedLoss"
+        )
+    for name, mean in rules.items():
+        if torch.allclose(mean, value, rtol=1e-4, atol=1e-6):
+            return name
+    computed = ", ".join(f"{name} token mean {float(mean):.6g}" for name, mean in rules.items())
+    raise ValueError(
+        f"cannot make the model's own loss exact: it ({float(value):.6g}) does not match a token mean "
+        f"of its logits and labels ({computed}), so the number of terms it averaged is unknown; pass "
+        "loss_func=TokenCrossEntropy(shift=...) or a loss_func returning SummedLoss"
+    )
+
+
+def count_by_rule(rule: str | None, labels: Tensor) -> int:
+    """The terms `rule` (from `own_loss_rule`) averages over `labels`; None counts the plain labels."""
+    if rule == "elements":
+        return labels.numel()
+    if rule == "shifted":
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def own_loss_count(logits: Any, labels: Tensor, loss: Tensor) -> int:
+    """How many terms a model's own mean `loss` averaged (see `own_loss_rule`).
+
+    >>> own_loss_count(torch.randn(3, 2), torch.tensor([1, 0, -100]), torch.tensor(0.9))  # doctest: +SKIP
     2
     """
-    if labels.dim() >= 2 and _is_causal_lm(model):
-        labels = labels[..., 1:]
-    if labels.is_floating_point():
-        return labels.numel()
-    return int((labels != IGNORE_INDEX).sum())
+    return count_by_rule(own_loss_rule(logits, labels, loss), labels)
+
+
+def model_loss(out: Any) -> Tensor:
+    """A model's own loss: `out.loss`, `out["loss"]`, or the 0-dim first element of a tuple
+    (`return_dict=False`)."""
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) and out[0].dim() == 0:
+        return out[0]
+    return own_field(out, "loss")
 
 
 def zero_loss(pred: Any) -> Tensor:

@@ -35,23 +35,47 @@ and `compute`:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from unison.data.batch import batch_size_of, cat_padded
+from unison.losses import describe_output, output_logits
 
 if TYPE_CHECKING:
     from unison.distributed.collective import Collective
 
 
 def metric_input(pred: Any) -> Any:
-    """What a metric scores: a model output's `logits` when it has them, else the output."""
-    if isinstance(pred, Mapping) and "logits" in pred:
-        return pred["logits"]
-    return pred
+    """What a metric scores, by the rule of `unison.losses.output_logits`: a tensor itself, a
+    dict's or `ModelOutput`'s `logits`, a `(loss, logits, ...)` tuple's logits; any other output
+    (a dict without logits, a tuple of outputs) is given whole to a metric that knows it.
+
+    >>> metric_input({"loss": torch.tensor(0.5), "logits": torch.ones(2, 3)}).shape
+    torch.Size([2, 3])
+    """
+    try:
+        return output_logits(pred)
+    except ValueError:
+        return pred
+
+
+def update_metric(metric: Metric, pred: Any, *targets: Any) -> None:
+    """`metric.update` on `metric_input(pred)`; a metric that cannot read that structure is
+    refused naming it, instead of an AttributeError deep in its code."""
+    scored = metric_input(pred)
+    try:
+        metric.update(scored, *targets)
+    except (AttributeError, TypeError) as e:
+        if isinstance(scored, Tensor):
+            raise
+        raise ValueError(
+            f"metric {metric.name!r} cannot score the model's output ({describe_output(pred)}): metrics get "
+            "a tensor output, the 'logits' of a dict or ModelOutput, or the logits of a (loss, logits, ...) "
+            f"tuple; return one of those or give a metric that reads this structure ({e})"
+        ) from e
 
 
 class Metric:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
-from unison.metrics import WeightedMean, metric_input
+from unison.metrics import WeightedMean, update_metric
 
 
 def format_time(seconds: float) -> str:
@@ -101,7 +101,7 @@ class Recorder(Callback):
             self._valid_loss.add(learn.loss, n)
             if learn.record_metrics and n:
                 for m in learn.metrics:
-                    m.update(metric_input(learn.pred), *learn.yb)
+                    update_metric(m, learn.pred, *learn.yb)
 
     def after_train(self) -> None:
         if self.paused or not self._closes("train"):

@@ -160,12 +160,17 @@ class Recorder(Callback):
         if self.paused:
             return
         elapsed = time.perf_counter() - self._start
-        valid = self.last_valid or [float("nan")] * (1 + len(self.learn.metrics))
-        row = [self._train_value, *valid]
+        row = self.epoch_values()
         self.values.append(row)
         self.times.append(elapsed)
         if self.print_table and self.learn.collective.is_main:
             self._print_row([self.learn.epoch, *row, format_time(elapsed)])
+
+    def epoch_values(self) -> list[float]:
+        """This epoch's `[train_loss, valid_loss, *metrics]` so far, reduced over every rank (NaN
+        for a phase that did not run): the row `after_epoch` records."""
+        valid = self.last_valid or [float("nan")] * (1 + len(self.learn.metrics))
+        return [self._train_value, *valid]
 
     def _closes(self, phase: str) -> bool:
         """Whether `phase` was opened by our `before_*` (and mark it closed)."""

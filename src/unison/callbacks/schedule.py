@@ -126,32 +126,61 @@ class LRSchedulerCallback(Callback):
     """Drive a torch `lr_scheduler` from the loop: built on the learner's optimizer at `before_fit`,
     stepped after every optimizer step (`interval="batch"`) or every epoch (`"epoch"`).
 
+    A `ReduceLROnPlateau` is stepped once an epoch, after validation, on the recorded value named
+    by `monitor` (`"valid_loss"`, `"train_loss"` or a metric's name): the recorder has reduced it
+    over every rank, so all ranks step on the same value and keep one learning rate.
+
     >>> sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     >>> learn.fit(3, cbs=[LRSchedulerCallback(sched)])
+    >>> plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=2)
+    >>> learn.fit(30, cbs=[LRSchedulerCallback(plateau, monitor="valid_loss")])
     """
 
     order = 10
 
-    def __init__(self, make_scheduler: Callable[[torch.optim.Optimizer], Any], interval: str = "batch"):
+    def __init__(
+        self,
+        make_scheduler: Callable[[torch.optim.Optimizer], Any],
+        interval: str = "batch",
+        monitor: str = "valid_loss",
+    ):
         if interval not in ("batch", "epoch"):
             raise ValueError(f"LRSchedulerCallback: interval must be 'batch' or 'epoch', got {interval!r}")
-        self.make_scheduler, self.interval = make_scheduler, interval
+        self.make_scheduler, self.interval, self.monitor = make_scheduler, interval, monitor
         self.scheduler: Any = None
         self._pending: dict[str, Any] | None = None
+
+    @property
+    def on_plateau(self) -> bool:
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def before_fit(self) -> None:
         self.scheduler = self.make_scheduler(self.learn.opt)
         if self._pending is not None:  # resumed from a checkpoint
             self.scheduler.load_state_dict(self._pending)
             self._pending = None
+        if self.on_plateau:
+            names = self.learn.recorder.metric_names[1:-1]  # train_loss, valid_loss, metrics
+            if self.monitor not in names:
+                raise ValueError(
+                    f"LRSchedulerCallback: ReduceLROnPlateau cannot monitor {self.monitor!r}, "
+                    f"recorded values are {names}"
+                )
 
     def after_step(self) -> None:
-        if self.interval == "batch":
+        if self.interval == "batch" and not self.on_plateau:
             self.scheduler.step()
 
     def after_train(self) -> None:
-        if self.interval == "epoch":
+        if self.interval == "epoch" and not self.on_plateau:
             self.scheduler.step()
+
+    def after_epoch(self) -> None:
+        recorder = self.learn.recorder
+        if not self.on_plateau or recorder.paused:
+            return
+        value = recorder.epoch_values()[recorder.metric_names[1:-1].index(self.monitor)]
+        self.scheduler.step(value)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict() if self.scheduler is not None else {}

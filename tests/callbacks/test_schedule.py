@@ -1,0 +1,80 @@
+"""torch's ReduceLROnPlateau driven by the loop: stepped once per epoch on a recorded value (the
+validation loss or a named metric), which is the same on every rank, so W processes keep one LR."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.test_workloads import make_dls, max_diff, quiet, weights
+from unison import Callback, Learner, LRSchedulerCallback, accuracy, set_seed
+
+
+class EpochLRs(Callback):
+    order = 60  # after the scheduler's step
+
+    def __init__(self):
+        self.lrs = []
+
+    def after_epoch(self):
+        self.lrs.append(self.learn.opt.param_groups[0]["lr"])
+
+
+def plateau(monitor="valid_loss"):
+    # threshold=0.5: an epoch must improve by half to count, so the LR drops on most epochs
+    make = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(  # noqa: E731
+        opt, mode="min" if "loss" in monitor else "max", patience=0, factor=0.5, threshold=0.5
+    )
+    return LRSchedulerCallback(make, monitor=monitor)
+
+
+def _fit(bs, monitor, distributed):
+    set_seed(0)
+    learn = Learner(
+        make_dls(64, 32, bs=bs), nn.Linear(4, 2), nn.CrossEntropyLoss(), lr=0.05, metrics=[accuracy]
+    )
+    log = EpochLRs()
+    cbs = [plateau(monitor), log]
+    with quiet():
+        if distributed:
+            with learn.distrib_ctx():
+                learn.fit(4, cbs=cbs)
+        else:
+            learn.fit(4, cbs=cbs)
+    return log.lrs, [row[1:] for row in learn.recorder.values], weights(learn)
+
+
+@pytest.mark.parametrize("monitor", ["valid_loss", "accuracy"])
+def test_reduce_lr_on_plateau_steps_once_an_epoch_on_the_recorded_value(monitor):
+    """Issue 18.5: `ReduceLROnPlateau` crashed (`step()` needs the metric)."""
+    lrs, values, _ = _fit(16, monitor, distributed=False)
+    # independent: torch's own scheduler fed the recorded values by hand
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    sched = plateau(monitor).make_scheduler(opt)
+    column = 0 if monitor == "valid_loss" else 1
+    expected = []
+    for row in values:
+        sched.step(row[column])
+        expected.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx(expected) and min(lrs) < 0.05  # it did reduce
+
+
+def test_a_plateau_monitor_that_is_not_recorded_is_refused_before_training():
+    set_seed(0)
+    learn = Learner(make_dls(), nn.Linear(4, 2), nn.CrossEntropyLoss())
+    with quiet(), pytest.raises(ValueError, match="cannot monitor 'f1'"):
+        learn.fit(1, cbs=[plateau("f1")])
+    assert learn.recorder.values == []
+
+
+def _parity():
+    world = dist.get_world_size()
+    return _fit(16 * world, "valid_loss", False), _fit(16, "valid_loss", True)
+
+
+@pytest.mark.slow
+def test_reduce_lr_on_plateau_gives_every_rank_the_lrs_of_one_process(pool2):
+    for (lrs1, values1, w1), (lrs2, values2, w2) in pool2.run(_parity, timeout=120):
+        assert lrs2 == lrs1 and min(lrs1) < 0.05
+        assert torch.tensor(values2).sub(torch.tensor(values1)).abs().max() < 1e-6
+        assert max_diff(w1, w2) < 1e-6

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/train_digits.py
+	$(PY) examples/demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -15,7 +15,15 @@ def test_outside_a_launch_is_rank_0_of_1(monkeypatch):
     "env, expected",
     [
         ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, (3, 4, 1)),
-        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"}, (2, 8, 0)),
+        (  # a task srun started (a batch script's SLURM_PROCID alone is not one: test_slurm.py)
+            {
+                "SLURM_PROCID": "2",
+                "SLURM_STEP_NUM_TASKS": "8",
+                "SLURM_LOCALID": "0",
+                "SLURM_JOB_NODELIST": "n1",
+            },
+            (2, 8, 0),
+        ),
         (
             {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
             (1, 2, 1),

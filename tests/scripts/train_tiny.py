@@ -32,6 +32,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt", help="checkpoint every step into this folder, fit with resume=True")
 parser.add_argument("--crash", type=int, help="rank 1 dies before this training step, first attempt only")
 parser.add_argument("--crash-once", help="this process dies at --crash unless this marker file exists")
+parser.add_argument("--bs", type=int, default=8, help="batch size per process (1 process at 16 = 2 at 8)")
 args = parser.parse_args()
 
 
@@ -53,7 +54,7 @@ set_seed(0)
 x = torch.randn(96, 6)
 y = (x @ torch.arange(1.0, 7.0) > 0).long()
 dls = DataLoaders(
-    DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8, shuffle=True),  # 64 = 2 ranks x 8 x 4
+    DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.bs, shuffle=True),  # 64 = 2 ranks x 8 x 4
     DataLoader(TensorDataset(x[64:], y[64:]), batch_size=10),
 )
 model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))

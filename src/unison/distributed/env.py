@@ -2,8 +2,9 @@
 
 The answer comes from the live process group when one exists (whoever made it),
 else from the variables a launcher exported: torchrun / `unison launch`
-(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, ...), SLURM (`SLURM_PROCID`, ...) or
-Open MPI (`OMPI_COMM_WORLD_RANK`, ...). Outside any launch: rank 0 of 1.
+(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, ...), a task srun started (`SLURM_PROCID`, ...; see
+`unison.distributed.slurm`: a batch script or an `salloc` shell is not one) or Open MPI
+(`OMPI_COMM_WORLD_RANK`, ...). Outside any launch: rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from unison.distributed.slurm import is_srun_task, srun_layout
+
 # Each field lists the variables that carry it, first found wins.
-_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
-_LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+_LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
@@ -57,14 +60,15 @@ class DistribEnv:
         1
         """
         env = os.environ if env is None else env
+        if is_srun_task(env):  # srun started this process itself: SLURM's variables say it all
+            rank, world, local, local_world, addr, port = srun_layout(env)
+            _check_rank(rank, world)
+            return cls(rank, world, local, local_world, addr, port)
         world = _first_int(env, _WORLD_VARS, 1)
         rank = _first_int(env, _RANK_VARS, 0)
         local = _first_int(env, _LOCAL_RANK_VARS, 0)
         local_world = _first_int(env, _LOCAL_WORLD_VARS, world)
-        if world < 1:
-            raise ValueError(f"world size must be at least 1, the environment says {world}")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside the world of {world} processes (ranks 0..{world - 1})")
+        _check_rank(rank, world)
         port = env.get("MASTER_PORT")
         return cls(
             rank=rank,
@@ -74,6 +78,13 @@ class DistribEnv:
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=int(port) if port else None,
         )
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1:
+        raise ValueError(f"world size must be at least 1, the environment says {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the world of {world} processes (ranks 0..{world - 1})")
 
 
 def group_active() -> bool:

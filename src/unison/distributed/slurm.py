@@ -1,0 +1,141 @@
+"""What SLURM tells a task it started: rank, world, local rank, and where rank 0 lives.
+
+`srun --ntasks-per-node=2 python train.py` starts every process itself, with no launcher: each
+task reads its place from `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID`, and the
+rendezvous address from the first host of the step's node list, with a port derived from the
+job id (so every task of the job computes the same one), unless `MASTER_ADDR` / `MASTER_PORT`
+are set. Only a task srun started counts: a batch script, an `salloc` shell or torchrun inside
+a job also carry `SLURM_*` variables (`SLURM_PROCID=0`, `SLURM_NTASKS=8` in a batch script),
+and reading those as "rank 0 of 8" is the classic hang at rendezvous. srun marks its tasks
+with the step's variables (`SLURM_STEP_NUM_TASKS`), which none of those have.
+
+>>> expand_hostlist("n[001-003,007],login")
+['n001', 'n002', 'n003', 'n007', 'login']
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from itertools import product
+
+PORT_BASE, PORT_SPAN = 15000, 15000  # job ports in 15000..29999: below Linux's ephemeral range
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+
+def is_srun_task(env: Mapping[str, str]) -> bool:
+    """True in a process srun started as one task of a step, and not under another launcher.
+
+    >>> is_srun_task({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"})       # a batch script
+    False
+    """
+    if any(name in env for name in _LAUNCHER_VARS):  # torchrun / unison launch inside the job
+        return False
+    return "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Every host of a SLURM host list: `a,b`, `n[1-3]`, `n[01-02,7]`, `rack[1-2]-n[1-2]`.
+
+    >>> expand_hostlist("linux[1,2]")
+    ['linux1', 'linux2']
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(hostlist.strip()):
+        parts = re.split(r"(\[[^\]]*\])", item)
+        choices = [_expand_range(p[1:-1]) if p.startswith("[") else [p] for p in parts if p]
+        if not choices:
+            continue
+        hosts.extend("".join(combo) for combo in product(*choices))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on the commas outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    if depth != 0:
+        raise ValueError(f"SLURM host list {text!r} has an unclosed bracket")
+    return [i for i in items if i]
+
+
+def _expand_range(spec: str) -> list[str]:
+    out = []
+    for part in spec.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+                raise ValueError(f"SLURM host list range [{spec}] is not lo-hi with lo <= hi")
+            out += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]  # n[001-010] keeps width
+        elif part:
+            out.append(part)
+    return out
+
+
+def first_host(env: Mapping[str, str]) -> str:
+    """The step's (else the job's) first node: where rank 0 runs under srun's block placement.
+    `scontrol show hostnames` expands the list when it is on PATH, else unison's own parser does."""
+    hostlist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not hostlist:
+        raise ValueError(
+            "SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; set MASTER_ADDR"
+        )
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            out = subprocess.run(
+                [scontrol, "show", "hostnames", hostlist], capture_output=True, text=True, timeout=10
+            )
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # a broken scontrol (a container without the daemon's config): parse it ourselves
+    return expand_hostlist(hostlist)[0]
+
+
+def job_port(env: Mapping[str, str]) -> int:
+    """A rendezvous port every task of the job derives alike from `SLURM_JOB_ID`.
+
+    >>> job_port({"SLURM_JOB_ID": "4242"})
+    19242
+    """
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
+    return PORT_BASE + int(job) % PORT_SPAN
+
+
+def tasks_on_this_node(env: Mapping[str, str]) -> int | None:
+    """This node's task count from `SLURM_STEP_TASKS_PER_NODE` ("2(x3),1": 2 on nodes 0-2, 1 on node 3)."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = env.get("SLURM_NODEID")
+    if not spec or node is None:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) else None
+
+
+def srun_layout(env: Mapping[str, str]) -> tuple[int, int, int, int, str, int]:
+    """`(rank, world_size, local_rank, local_world_size, master_addr, master_port)` of an srun
+    task (see `is_srun_task`); the job's `MASTER_ADDR` / `MASTER_PORT` win when exported."""
+    world = int(env["SLURM_STEP_NUM_TASKS"])
+    port = env.get("MASTER_PORT")
+    return (
+        int(env["SLURM_PROCID"]),
+        world,
+        int(env.get("SLURM_LOCALID", "0")),
+        tasks_on_this_node(env) or world,
+        env.get("MASTER_ADDR") or first_host(env),
+        int(port) if port else job_port(env),
+    )

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench gpu-check clean
+.PHONY: install demo test lint docs bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,15 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks docs/*.py
+	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/*.py
 
-test: lint
+# The manual (mkdocs.yml, docs/), strict: a broken link or reference, a page left out of the
+# nav or a docstring the API reference cannot read fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+test: lint docs
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -8,6 +8,8 @@ import os
 import pickle
 import re
 import secrets
+import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -155,13 +157,52 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+def previous_path(path: str | os.PathLike[str]) -> Path:
+    """Where `keep_previous` keeps the checkpoint a save replaced: `checkpoint.pth` -> `checkpoint.prev.pth`
+    (and `checkpoint.dcp` -> `checkpoint.prev.dcp`)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+#: Checkpoints resumed from their previous copy in this process: the next save with `keep_previous`
+#: replaces the refused newest and leaves that good previous copy where it is (once).
+_RESUMED_FROM_PREVIOUS: set[Path] = set()
+
+
+def note_resumed_from_previous(path: str | os.PathLike[str]) -> None:
+    """Record that `path` was refused and its previous copy used (see `rotate_previous`)."""
+    _RESUMED_FROM_PREVIOUS.add(Path(path).absolute())
+
+
+def rotate_previous(path: str | os.PathLike[str], keep_previous: bool) -> bool:
+    """Whether a save of `path` with `keep_previous` should keep the checkpoint it replaces: not
+    when that one was refused and this process resumed from the previous copy instead."""
+    key = Path(path).absolute()
+    if key in _RESUMED_FROM_PREVIOUS:
+        _RESUMED_FROM_PREVIOUS.discard(key)
+        return False
+    return keep_previous
+
+
+def _keep_as_previous(path: Path) -> None:
+    """Make `previous_path(path)` hold `path`'s current bytes, atomically (`path` itself stays)."""
+    previous = previous_path(path)
+    tmp = previous.parent / f".{previous.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    try:
+        os.link(path, tmp)  # the same bytes, no copy
+    except OSError:  # a file system without hard links
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, previous)
+
+
+def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous: bool = False) -> Path:
     """Write `obj` to `path` so a reader never sees a torn file.
 
     The bytes go to a temporary file in the same folder, are flushed to disk, and the
     file is renamed over `path` only once complete: a crash at any point leaves the
     previous file intact. A disk too full for it raises `DiskFullError` (before writing
     when the tensors alone do not fit); temp files left by killed writers are removed.
+    With `keep_previous`, the file replaced is kept as `previous_path(path)`.
 
     >>> atomic_save({"unison_format": 1, "model": model.state_dict()}, "models/m.pth")
     """
@@ -183,6 +224,8 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             torch.save(obj, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
+        if rotate_previous(path, keep_previous) and path.is_file():
+            _keep_as_previous(path)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -248,6 +291,33 @@ def safe_load(
         )
     if kind is not None and obj.get("kind") != kind:
         raise CheckpointError(f"{path} is a '{obj.get('kind')}' file, expected '{kind}'")
+    return obj
+
+
+def load_or_previous(
+    path: str | os.PathLike[str], keep_previous: bool, warn: bool = True, **kwargs: Any
+) -> dict[str, Any]:
+    """`safe_load(path, **kwargs)`; with `keep_previous`, a refused `path` falls back to
+    `previous_path(path)` when that one loads, with a warning (when `warn`).
+
+    >>> state = load_or_previous("models/checkpoint.pth", True, map_location="cpu", kind="checkpoint")
+    """
+    try:
+        return safe_load(path, **kwargs)
+    except CheckpointError as exc:
+        previous = previous_path(path)
+        if not keep_previous:
+            raise
+        if not previous.is_file():
+            raise CheckpointError(f"{exc} (and there is no previous checkpoint {previous})") from None
+        refused = str(exc)
+    try:
+        obj = safe_load(previous, **kwargs)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{refused}; the previous checkpoint is refused too: {exc}") from None
+    if warn:
+        warnings.warn(f"{refused}; resuming from the previous checkpoint {previous}", stacklevel=2)
+    note_resumed_from_previous(path)
     return obj
 
 

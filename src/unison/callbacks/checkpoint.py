@@ -21,12 +21,11 @@ import torch
 
 from unison.callbacks.core import Callback
 from unison.distributed.sharded_checkpoint import (
+    checked_source,
     is_sharded,
     load_sharded_weights,
-    read_meta,
     save_sharded,
     sharded_path,
-    sharded_source,
 )
 from unison.rng import get_rng_state, set_rng_state
 from unison.serialization import (
@@ -35,8 +34,8 @@ from unison.serialization import (
     CheckpointError,
     atomic_save,
     check_state_fits,
+    load_or_previous,
     remove_stale_temps,
-    safe_load,
 )
 
 
@@ -44,7 +43,9 @@ class Checkpoint(Callback):
     """Save a resumable checkpoint every `every` training steps and at each epoch's end.
 
     The file is `learn.path / learn.model_dir / f"{fname}.pth"`; `learn.fit(n, resume=True)`
-    continues from it (or starts fresh when there is none).
+    continues from it (or starts fresh when there is none). `keep_previous=True` keeps the
+    checkpoint each save replaces (`checkpoint.prev.pth` / `.prev.dcp`) and resumes from it,
+    with a warning, when the newest is refused.
 
     >>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
     >>> learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
@@ -52,10 +53,10 @@ class Checkpoint(Callback):
 
     order = 90  # after the recorder and trackers have settled this batch's / epoch's state
 
-    def __init__(self, every: int | None = None, fname: str = "checkpoint"):
+    def __init__(self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False):
         if every is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"Checkpoint: every must be a positive int or None, got {every!r}")
-        self.every, self.fname = every, fname
+        self.every, self.fname, self.keep_previous = every, fname, keep_previous
         self.saves = 0
 
     @property
@@ -116,9 +117,11 @@ class Checkpoint(Callback):
                 "callbacks": self._callback_states(),
             }
             if sharded:
-                save_sharded(sharded_path(self.file), learn.model, learn.opt, state, collective)
+                save_sharded(
+                    sharded_path(self.file), learn.model, learn.opt, state, collective, self.keep_previous
+                )
             else:
-                atomic_save(state, self.file)
+                atomic_save(state, self.file, self.keep_previous)
         self.saves += 1
         return sharded_path(self.file) if sharded else self.file
 
@@ -142,13 +145,16 @@ class Checkpoint(Callback):
         learn = self.learn
         if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
             remove_stale_temps(self.file)
-        folder = sharded_source(self.file, learn.model)  # a sharded run's checkpoint folder
-        if folder is not None:
-            state = read_meta(folder, learn.model)
+        # a sharded run's checkpoint folder, verified (or the previous one, when kept)
+        folder, sharded_state = checked_source(self.file, learn.model, learn.collective, self.keep_previous)
+        if sharded_state is not None:
+            state = sharded_state
         elif self.file.exists():
             # Loaded to the CPU, as Lightning does: generator states must be CPU byte tensors, and the
             # recorder's sums mix with CPU ones; the model and optimizer copy theirs to their own device.
-            state = safe_load(self.file, map_location="cpu", kind="checkpoint")
+            state = load_or_previous(
+                self.file, self.keep_previous, learn.collective.is_main, map_location="cpu", kind="checkpoint"
+            )
             check_state_fits(learn.raw_model, state["model"], self.file)
         else:
             return False

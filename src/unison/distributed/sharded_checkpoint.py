@@ -2,13 +2,19 @@
 
 A sharded checkpoint is a folder (`name.dcp`) holding DCP's shard files (each rank writes
 its own: no full gather on rank 0), DCP's `.metadata`, and `unison.pth`: the run's other
-state (position, RNG, recorder, callbacks) plus the size of every file, written last.
+state (position, RNG, recorder, callbacks) plus the manifest, the size and CRC32 of every
+other file, written last.
 
 - Atomic: everything is written into a hidden temporary folder, which is renamed over
   the last checkpoint only once complete; a save killed at any point leaves the last good
   checkpoint in place (or, killed between the two renames, beside it, and found there).
-- Checked: a folder without `unison.pth`, or with a file missing or of the wrong size, is
-  refused with a one-line reason; so is one whose tensors do not fit the model.
+  `keep_previous=True` keeps the checkpoint it replaces as `name.prev.dcp`.
+- Checked before anything is read: `unison.pth` by the CRC32s of its zip entries, every
+  other file by its size and its CRC32 in the manifest (each rank hashes the files it
+  wrote; on load each rank checks a share of the bytes, and one collective makes every rank
+  refuse with the same line). A folder without `unison.pth`, with a file missing, cut or
+  altered, or whose tensors do not fit the model, is refused with a one-line reason naming
+  the file. A checkpoint of an older unison, without checksums, loads with a warning.
 - Resharded: DCP reads whatever slice each rank needs, so a checkpoint written on W
   processes loads on any number, sharded or not (one process gets plain full tensors).
 
@@ -23,6 +29,7 @@ import os
 import secrets
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,10 +56,32 @@ from unison.serialization import (
     CheckpointError,
     atomic_save,
     check_state_fits,
+    note_resumed_from_previous,
+    previous_path,
+    rotate_previous,
     safe_load,
 )
 
 META_FILE = "unison.pth"
+#: How every file but META_FILE is checked (zlib's CRC32: as fast as SHA-256 here, and what torch's
+#: zip entries use; see benchmarks/sharded_integrity.py).
+CHECKSUM = "crc32"
+_CHUNK = 1 << 22
+
+
+def file_checksum(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
+    """The CRC32 of a file's bytes as 8 hex digits, read in chunks (zlib releases the GIL).
+
+    >>> file_checksum("models/checkpoint.dcp/__0_0.distcp")
+    '5f1d7a0c'
+    """
+    crc = 0
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -87,6 +116,19 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any
     return {"model": model_state, "optim": opt_state}
 
 
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote (to hash them)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)  # already done: FileSystemWriter writes in place
+        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -101,10 +143,13 @@ def save_sharded(
     opt: torch.optim.Optimizer | None,
     meta: dict[str, Any],
     collective: Collective,
+    keep_previous: bool = False,
 ) -> Path:
     """Write `model` and `opt` (sharded or not) and `meta` to the folder `directory`, atomically.
 
-    A collective: every rank calls it. Each rank writes its own shards; rank 0 writes `meta`.
+    A collective: every rank calls it. Each rank writes its own shards and hashes them;
+    rank 0 writes `meta` and the manifest of every file's size and CRC32, last. With
+    `keep_previous`, the checkpoint replaced is kept as `previous_path(directory)`.
 
     >>> save_sharded("models/checkpoint.dcp", learn.model, learn.opt, {"epoch": 1}, learn.collective)
     """
@@ -113,11 +158,30 @@ def save_sharded(
     token = collective.broadcast_object(secrets.token_hex(6))
     tmp = final.parent / f".{final.name}.tmp-{token}"
     state = _state(model, opt)
+    writer = _RecordingWriter(tmp)
     with _quiet():  # returns once every rank's shards are written
-        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist(collective))
+        dcp.save(state, storage_writer=writer, no_dist=_no_dist(collective))
+    # Each rank hashes what it wrote (its files are still in its page cache), rank 0 the rest (.metadata).
+    try:
+        mine: dict[str, str] | str = {name: file_checksum(tmp / name) for name in writer.written}
+    except OSError as exc:  # reported through the gather, so that no rank waits for this one
+        mine = f"rank {collective.rank} could not read back what it wrote to {tmp}: {exc}"
+    parts = collective.gather_objects(mine)
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise CheckpointError(failed[0])
+    checksums = {k: v for part in parts for k, v in part.items()}  # type: ignore[union-attr]
     if collective.is_main:
-        sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
-        record = {FORMAT_KEY: FORMAT_VERSION, "kind": "sharded", "files": sizes, "state": meta}
+        files = sorted(tmp.iterdir())
+        checksums.update({f.name: file_checksum(f) for f in files if f.name not in checksums})
+        record = {
+            FORMAT_KEY: FORMAT_VERSION,
+            "kind": "sharded",
+            "files": {f.name: f.stat().st_size for f in files},
+            "checksum": CHECKSUM,
+            "checksums": {f.name: checksums[f.name] for f in files},
+            "state": meta,
+        }
         atomic_save(record, tmp / META_FILE)
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
@@ -128,8 +192,14 @@ def save_sharded(
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in final.parent.glob(f".{final.name}.*-*"):  # left by killed saves
+        if rotate_previous(final, keep_previous) and old.exists():
+            previous = previous_path(final)
+            trash = final.parent / f".{final.name}.trash-{token}"
+            if previous.exists():
+                os.replace(previous, trash)
+            os.replace(old, previous)
+            _fsync_dir(final.parent)
+        for stale in final.parent.glob(f".{final.name}.*-*"):  # this save's and those left by killed saves
             shutil.rmtree(stale, ignore_errors=True)
     collective.barrier()  # nobody reads the checkpoint before it is in place
     return final
@@ -145,25 +215,117 @@ def find_sharded(directory: str | os.PathLike[str]) -> Path | None:
     return aside[-1] if aside else None
 
 
-def read_meta(directory: str | os.PathLike[str], model: nn.Module | None = None) -> dict[str, Any]:
-    """Check that the folder is a complete sharded checkpoint (and fits `model`); return its meta state.
+def read_meta(
+    directory: str | os.PathLike[str],
+    model: nn.Module | None = None,
+    collective: Collective | None = None,
+) -> dict[str, Any]:
+    """Check that the folder is a whole sharded checkpoint (and fits `model`); return its meta state.
 
-    Raises `CheckpointError` with a one-line reason; reads no tensor data.
+    Every file is checked against the manifest (size and CRC32) before any of it is read.
+    With a `collective` of several ranks (a collective then: every rank calls it), each rank
+    hashes a share of the bytes and one gather makes every rank raise the same error.
+    Raises `CheckpointError` with a one-line reason naming the file.
+
+    >>> read_meta("models/checkpoint.dcp", learn.model, learn.collective)["epoch"]
+    3
     """
     path = Path(directory)
+    rank, world = (collective.rank, collective.world_size) if collective is not None else (0, 1)
+    record: dict[str, Any] | None = None
+    error = None
+    try:
+        record = _read_record(path)
+        _check_files(path, record, rank, world)
+    except CheckpointError as exc:
+        error = str(exc)
+    if world > 1:
+        assert collective is not None
+        error = next((e for e in collective.gather_objects(error) if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    assert record is not None
+    if "checksums" not in record and (collective is None or collective.is_main):
+        warnings.warn(
+            f"{path} was written by an older unison and has no checksums: its files are checked for "
+            "size only, so flipped bits would load unseen. Saving it again adds them",
+            stacklevel=2,
+        )
+    if model is not None:
+        _check_fits(path, model)
+    return record["state"]
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """The folder's `unison.pth` (its own zip entries CRC-checked by `safe_load`)."""
     if not path.is_dir():
         raise CheckpointError(f"no sharded checkpoint at {path}")
     if not (path / META_FILE).is_file():
         raise CheckpointError(f"{path} is incomplete (no {META_FILE}: its save was interrupted), refused")
-    meta = safe_load(path / META_FILE, kind="sharded")
-    for name, size in meta["files"].items():
+    record = safe_load(path / META_FILE, kind="sharded")
+    if record.get("checksum", CHECKSUM) != CHECKSUM:
+        raise CheckpointError(f"{path} uses checksum {record['checksum']!r}, unknown to this unison, refused")
+    return record
+
+
+def _check_files(path: Path, record: dict[str, Any], rank: int = 0, world: int = 1) -> None:
+    """Every file's size; the CRC32 of this rank's share of them (all of them on one process)."""
+    sizes: dict[str, int] = record["files"]
+    checksums: dict[str, str] = record.get("checksums", {})
+    for name, size in sorted(sizes.items()):
         file = path / name
-        if not file.is_file() or file.stat().st_size != size:
-            found = file.stat().st_size if file.is_file() else "missing"
+        if not file.is_file():
+            raise CheckpointError(f"{path} is torn: {name} is missing (it should have {size} bytes), refused")
+        if file.stat().st_size != size:
+            found = file.stat().st_size
             raise CheckpointError(f"{path} is torn: {name} should have {size} bytes, found {found}, refused")
-    if model is not None:
-        _check_fits(path, model)
-    return meta["state"]
+    for name in _shares(sizes, world)[rank]:
+        if name in checksums and file_checksum(path / name) != checksums[name]:
+            raise CheckpointError(
+                f"{path} is damaged: {name} fails its checksum "
+                "(CRC32 mismatch: its bytes changed since the save), refused"
+            )
+
+
+def _shares(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The files each rank hashes: the largest first, each to the rank with the fewest bytes so far."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        shares[r].append(name)
+        loads[r] += sizes[name]
+    return shares
+
+
+def checked_source(
+    file: str | os.PathLike[str], model: nn.Module, collective: Collective, keep_previous: bool = False
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """The sharded folder to resume `file` from and its meta state, verified; (None, None) when there
+    is none (see `sharded_source`). A refused folder raises `CheckpointError`, unless
+    `keep_previous` and the previous folder verifies: then it is used, with a warning.
+    A collective: every rank calls it, and every rank takes the same branch.
+    """
+    folder = sharded_source(file, model)
+    if folder is None:
+        return None, None
+    try:
+        return folder, read_meta(folder, model, collective)
+    except CheckpointError as exc:
+        refused = str(exc)
+        if not keep_previous:
+            raise
+    previous = previous_path(sharded_path(file))
+    try:
+        state = read_meta(previous, model, collective)
+    except CheckpointError as exc:
+        if not previous.exists():
+            raise CheckpointError(f"{refused} (and there is no previous checkpoint {previous})") from None
+        raise CheckpointError(f"{refused}; the previous checkpoint is refused too: {exc}") from None
+    if collective.is_main:
+        warnings.warn(f"{refused}; resuming from the previous checkpoint {previous}", stacklevel=2)
+    note_resumed_from_previous(sharded_path(file))  # the next save replaces the refused one, keeps this
+    return previous, state
 
 
 def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
@@ -290,7 +452,7 @@ def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
     if folder is None and not isinstance(learn.model, FSDPModule):
         return False
     if folder is not None:
-        read_meta(folder, learn.model)
+        read_meta(folder, learn.model, learn.collective)
         saved_opt = with_opt
     else:
         state = safe_load(file, map_location="cpu", kind="model")

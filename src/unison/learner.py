@@ -45,6 +45,7 @@ from unison.callbacks.core import (
     CancelTrainException,
     CancelValidException,
 )
+from unison.callbacks.nonfinite import Mode, NonFiniteCheck
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, group_lrs, lr_find, top_lr
@@ -116,6 +117,7 @@ class Learner:
         call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = call_model,
         compile: bool | dict[str, Any] = False,
         steps_per_epoch: int | None = None,
+        on_nonfinite: Mode | None = "stop",
     ):
         if not isinstance(dls, DataLoaders):
             raise TypeError(
@@ -173,8 +175,10 @@ class Learner:
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
         self.recorder = Recorder()
+        # The first non-finite loss or gradient on any rank: stop every rank (or skip the step); None: off.
+        check = [NonFiniteCheck(on_nonfinite)] if on_nonfinite is not None else []
         if default_cbs:
-            self.add_cbs([self.recorder, ProgressCallback()])
+            self.add_cbs([self.recorder, ProgressCallback(), *check])
         self.add_cbs(cbs)
 
     # ---- callbacks -------------------------------------------------------------------

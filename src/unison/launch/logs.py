@@ -103,11 +103,12 @@ class RankLogsSpecs(LogsSpecs):
 
 
 class RestartRefused(RuntimeError):
-    """A restart that cannot succeed (the last attempt failed on a full disk): the launch stops."""
+    """A restart that cannot succeed (the last attempt failed on a full disk, or stopped on a
+    non-finite loss or gradient that resuming from the last checkpoint meets again): the launch stops."""
 
 
 #: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError",)
+_HOPELESS = ("DiskFullError", "NonFiniteError")
 
 
 def pointless_restart(attempt_dir: str) -> str | None:

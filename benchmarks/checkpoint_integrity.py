@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from unison.serialization import atomic_save, safe_load, verify_integrity
+from unison.checkpoint.format import atomic_save, safe_load
+from unison.checkpoint.integrity import verify_integrity
 
 
 def _timed(fn) -> float:

@@ -35,7 +35,7 @@ DIM, HIDDEN, BLOCKS = 1024, 4096, 6  # the model of benchmarks/sharded.py: 50.4M
 @contextlib.contextmanager
 def _no_checksums() -> Iterator[None]:
     """save_sharded / read_meta with the hashing taken out (sizes only), for the baseline."""
-    from unison.distributed import sharded_checkpoint as sc
+    from unison.checkpoint import sharded as sc
 
     real = sc.file_checksum
     sc.file_checksum = lambda path, chunk=0: "skipped"  # type: ignore[assignment]
@@ -80,9 +80,10 @@ def measure(folder: str, repeats: int) -> dict[str, object]:
     import torch.distributed as dist
     from torch import nn
 
+    from unison.checkpoint.format import atomic_save
+    from unison.checkpoint.integrity import verify_integrity
+    from unison.checkpoint.sharded import load_sharded, read_meta, save_sharded
     from unison.distributed import Collective, setup_distrib, teardown_distrib
-    from unison.distributed.sharded_checkpoint import load_sharded, read_meta, save_sharded
-    from unison.serialization import atomic_save, verify_integrity
 
     setup_distrib()  # a no-op on one process
     group = dist.group.WORLD if dist.is_initialized() else None

@@ -27,7 +27,7 @@ from unison import (
     accuracy,
     set_seed,
 )
-from unison.serialization import FORMAT_KEY, FORMAT_VERSION
+from unison.checkpoint.format import FORMAT_KEY, FORMAT_VERSION
 
 # ---- helpers ------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         TensorBoardLogger,
         TrackerCallback,
     )
+    from unison.checkpoint.errors import CheckpointError
     from unison.data import DataLoaders, to_device
     from unison.launch.spawn import SpawnError, mp_spawn, spawn
     from unison.learner import Learner
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
         roc_auc,
     )
     from unison.rng import set_seed
-    from unison.serialization import CheckpointError
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -96,7 +96,7 @@ _EXPORTS = {
     "error_rate": "unison.metrics",
     "roc_auc": "unison.metrics",
     "set_seed": "unison.rng",
-    "CheckpointError": "unison.serialization",
+    "CheckpointError": "unison.checkpoint.errors",
 }
 
 

@@ -49,6 +49,8 @@ from unison.callbacks.nonfinite import Mode, NonFiniteCheck
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, group_lrs, lr_find, top_lr
+from unison.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
+from unison.checkpoint.sharded import load_learner, save_learner
 from unison.data.batch import (
     DataLoaders,
     batch_size_of,
@@ -63,12 +65,11 @@ from unison.data.loader import DistributedDL
 from unison.data.stream import StreamDL, loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.env import rank_distrib
-from unison.distributed.sharded_checkpoint import is_sharded, load_learner, save_learner
+from unison.distributed.fsdp import is_sharded
 from unison.exact_loss import ExactLoss
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.predictions import PredsCollector, check_per_item_loss, first_row
-from unison.serialization import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -630,7 +631,7 @@ class Learner:
         return self
 
     def _resume(self) -> None:
-        from unison.callbacks.checkpoint import Checkpoint
+        from unison.checkpoint.callback import Checkpoint
 
         ckpt = self.get_cb(Checkpoint)
         if not isinstance(ckpt, Checkpoint):

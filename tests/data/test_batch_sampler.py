@@ -112,7 +112,7 @@ def test_an_unshardable_loader_is_refused_at_distrib_ctx_entry(pool2, which):
 
 
 def _stop_and_resume(path, distributed, stops):
-    from tests.callbacks.test_checkpoint import Stop, StopAt
+    from tests.checkpoint.test_callback import Stop, StopAt
     from unison import Checkpoint
 
     ctx = (lambda learn: learn.distrib_ctx()) if distributed else (lambda learn: contextlib.nullcontext())

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.callbacks.test_checkpoint import Stop, StopAt
+from tests.checkpoint.test_callback import Stop, StopAt
 from tests.data.test_stream import SelfSharding, Table
 from unison import Checkpoint, DataLoaders, Learner, set_seed
 

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from unison.serialization import free_bytes
+from unison.checkpoint.format import free_bytes
 
 
 @contextlib.contextmanager

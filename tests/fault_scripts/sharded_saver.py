@@ -8,8 +8,8 @@ import sys
 import torch
 from torch import nn
 
+from unison.checkpoint.sharded import save_sharded
 from unison.distributed import Collective
-from unison.distributed.sharded_checkpoint import save_sharded
 
 folder = sys.argv[1]
 model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # ~4M parameters: a save takes a while

@@ -1,6 +1,5 @@
 """Callbacks: one concern each, run by the `Learner` at its named events."""
 
-from unison.callbacks.checkpoint import Checkpoint
 from unison.callbacks.core import (
     EVENTS,
     Callback,
@@ -17,6 +16,7 @@ from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.training import GradientAccumulation, GradientClip
+from unison.checkpoint.callback import Checkpoint
 
 __all__ = [
     "CSVLogger",

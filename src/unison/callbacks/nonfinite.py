@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from unison.callbacks.core import Callback, CancelBatchException
-from unison.distributed.sharded_checkpoint import is_sharded
+from unison.distributed.fsdp import is_sharded
 from unison.rng import get_rng_state, set_rng_state
 
 Mode = Literal["stop", "skip", "anomaly"]

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from unison.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from unison.checkpoint.sharded import export_state_dict
     from unison.data.loader import DistributedDL
     from unison.distributed.collective import Collective
     from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
     from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
     from unison.distributed.sharded import ShardedTrainer, is_sharded
-    from unison.distributed.sharded_checkpoint import export_state_dict
     from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from unison.distributed.trainer import (
         DataParallel,
@@ -42,7 +42,7 @@ _EXPORTS = {
     "teardown_distrib": "unison.distributed.group",
     "ShardedTrainer": "unison.distributed.sharded",
     "is_sharded": "unison.distributed.sharded",
-    "export_state_dict": "unison.distributed.sharded_checkpoint",
+    "export_state_dict": "unison.checkpoint.sharded",
     "SyncBatchNorm": "unison.distributed.sync_bn",
     "convert_sync_batchnorm": "unison.distributed.sync_bn",
     "revert_sync_batchnorm": "unison.distributed.sync_bn",

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from unison.callbacks.core import Callback
 from unison.distributed.env import group_active
+from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
-from unison.distributed.sharded_checkpoint import is_sharded
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.trainer import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.watchdog import RankStalledError

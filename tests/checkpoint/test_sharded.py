@@ -15,15 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.callbacks.test_checkpoint import Stop, StopAt  # the same stand-in for a crash
+from tests.checkpoint.test_callback import Stop, StopAt  # the same stand-in for a crash
 from unison import Checkpoint, CheckpointError, DataLoaders, Learner, set_seed
+from unison.checkpoint.sharded import export_state_dict, read_meta, save_sharded, sharded_path
 from unison.distributed import Collective
-from unison.distributed.sharded_checkpoint import (
-    export_state_dict,
-    read_meta,
-    save_sharded,
-    sharded_path,
-)
 
 N_TRAIN, EPOCHS = 96, 2
 SAVER = Path(__file__).parent.parent / "fault_scripts" / "sharded_saver.py"

@@ -16,12 +16,12 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from tests.callbacks.test_checkpoint import Stop, StopAt
-from tests.distributed.test_sharded_checkpoint import _fit, _learner, _max_diff, _weights
+from tests.checkpoint.test_callback import Stop, StopAt
+from tests.checkpoint.test_sharded import _fit, _learner, _max_diff, _weights
 from unison import Checkpoint, CheckpointError
+from unison.checkpoint.format import atomic_save, safe_load
+from unison.checkpoint.sharded import META_FILE, read_meta, save_sharded
 from unison.distributed import Collective
-from unison.distributed.sharded_checkpoint import META_FILE, read_meta, save_sharded
-from unison.serialization import atomic_save, safe_load
 
 FOLDER = ("models", "checkpoint.dcp")
 SCRIPT = Path(__file__).resolve().parents[1] / "fault_scripts" / "sharded_resumable.py"
@@ -224,7 +224,7 @@ def test_keep_previous_resumes_from_the_previous_checkpoint_when_the_newest_is_d
 
 def test_keep_previous_works_the_same_for_a_plain_checkpoint(tmp_path):
     """A plain `checkpoint.pth` (one process): the same knob keeps `checkpoint.prev.pth`, used when asked."""
-    from tests.callbacks import test_checkpoint as plain
+    from tests.checkpoint import test_callback as plain
 
     reference = plain._learner(tmp_path / "ref", 8, dropout=0)
     plain._fit(reference)

@@ -20,23 +20,18 @@ from typing import Any
 import torch
 
 from unison.callbacks.core import Callback
-from unison.distributed.sharded_checkpoint import (
-    checked_source,
-    is_sharded,
-    load_sharded_weights,
-    save_sharded,
-    sharded_path,
-)
-from unison.rng import get_rng_state, set_rng_state
-from unison.serialization import (
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
-    CheckpointError,
     atomic_save,
     check_state_fits,
     load_or_previous,
     remove_stale_temps,
 )
+from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
+from unison.distributed.fsdp import is_sharded
+from unison.rng import get_rng_state, set_rng_state
 
 
 class Checkpoint(Callback):
@@ -95,7 +90,7 @@ class Checkpoint(Callback):
         rng_states = [rng for rng, _ in gathered]
         stream_states = [stream for _, stream in gathered]
         recorder_partial = learn.recorder.partial_state() if batches_done else None
-        sharded = is_sharded(learn.model)  # then every rank writes its shards (sharded_checkpoint.py)
+        sharded = is_sharded(learn.model)  # then every rank writes its shards (checkpoint/sharded.py)
         if collective.is_main or sharded:
             assert learn.opt is not None
             state: dict[str, Any] = {

@@ -16,18 +16,11 @@ from typing import Any
 
 import torch
 
+from unison.checkpoint.errors import CheckpointError, DiskFullError
+from unison.checkpoint.integrity import verify_integrity
+
 FORMAT_KEY = "unison_format"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is missing, damaged, foreign, or does not fit the model."""
-
-
-class DiskFullError(CheckpointError):
-    """A checkpoint did not fit on its disk (ENOSPC); the previous checkpoint is kept whole."""
-
-    errno = errno.ENOSPC
 
 
 def storage_bytes(obj: Any) -> int:
@@ -319,33 +312,6 @@ def load_or_previous(
         warnings.warn(f"{refused}; resuming from the previous checkpoint {previous}", stacklevel=2)
     note_resumed_from_previous(path)
     return obj
-
-
-def verify_integrity(path: str | os.PathLike[str], chunk: int = 1 << 20) -> None:
-    """Check every entry of a checkpoint's zip archive against the CRC32 written with it.
-
-    torch writes a CRC32 for each entry (the pickle and each tensor's bytes) but does not
-    check it on load: a flipped bit would load as a silently changed weight. This reads the
-    whole file once (about 0.1 s per 100 MB, see benchmarks/RESULTS.md) and raises
-    `CheckpointError` naming the first damaged entry.
-
-    >>> verify_integrity("models/checkpoint.pth")
-    """
-    path = Path(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                try:
-                    with archive.open(info) as entry:  # zipfile checks the CRC32 when an entry ends
-                        while entry.read(chunk):
-                            pass
-                except zipfile.BadZipFile as exc:
-                    raise CheckpointError(
-                        f"{path} is damaged: entry {info.filename} fails its integrity check ({exc}: "
-                        "CRC32 mismatch or cut short); refusing to load altered bytes"
-                    ) from None
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as exc:
-        raise CheckpointError(f"{path} is damaged or truncated ({exc})") from None
 
 
 #: torch's weights-only errors advise loading with weights_only=False or allow-listing the global:

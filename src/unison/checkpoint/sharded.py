@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,13 +46,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 
-from unison.distributed.collective import Collective
-from unison.serialization import (
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
-    CheckpointError,
     atomic_save,
     check_state_fits,
     note_resumed_from_previous,
@@ -61,33 +58,11 @@ from unison.serialization import (
     rotate_previous,
     safe_load,
 )
+from unison.checkpoint.integrity import CHECKSUM, check_files, file_checksum
+from unison.distributed.collective import Collective
+from unison.distributed.fsdp import is_sharded
 
 META_FILE = "unison.pth"
-#: How every file but META_FILE is checked (zlib's CRC32: as fast as SHA-256 here, and what torch's
-#: zip entries use; see benchmarks/sharded_integrity.py).
-CHECKSUM = "crc32"
-_CHUNK = 1 << 22
-
-
-def file_checksum(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
-    """The CRC32 of a file's bytes as 8 hex digits, read in chunks (zlib releases the GIL).
-
-    >>> file_checksum("models/checkpoint.dcp/__0_0.distcp")
-    '5f1d7a0c'
-    """
-    crc = 0
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True when `model` was sharded with `fully_shard` (its parameters are DTensor shards).
-    (Defined here, not in sharded.py, so callbacks can ask without importing the trainer.)"""
-    return isinstance(model, FSDPModule)
 
 
 def sharded_path(file: str | os.PathLike[str]) -> Path:
@@ -236,7 +211,7 @@ def read_meta(
     error = None
     try:
         record = _read_record(path)
-        _check_files(path, record, rank, world)
+        check_files(path, record, rank, world)
     except CheckpointError as exc:
         error = str(exc)
     if world > 1:
@@ -266,36 +241,6 @@ def _read_record(path: Path) -> dict[str, Any]:
     if record.get("checksum", CHECKSUM) != CHECKSUM:
         raise CheckpointError(f"{path} uses checksum {record['checksum']!r}, unknown to this unison, refused")
     return record
-
-
-def _check_files(path: Path, record: dict[str, Any], rank: int = 0, world: int = 1) -> None:
-    """Every file's size; the CRC32 of this rank's share of them (all of them on one process)."""
-    sizes: dict[str, int] = record["files"]
-    checksums: dict[str, str] = record.get("checksums", {})
-    for name, size in sorted(sizes.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{path} is torn: {name} is missing (it should have {size} bytes), refused")
-        if file.stat().st_size != size:
-            found = file.stat().st_size
-            raise CheckpointError(f"{path} is torn: {name} should have {size} bytes, found {found}, refused")
-    for name in _shares(sizes, world)[rank]:
-        if name in checksums and file_checksum(path / name) != checksums[name]:
-            raise CheckpointError(
-                f"{path} is damaged: {name} fails its checksum "
-                "(CRC32 mismatch: its bytes changed since the save), refused"
-            )
-
-
-def _shares(sizes: dict[str, int], world: int) -> list[list[str]]:
-    """The files each rank hashes: the largest first, each to the rank with the fewest bytes so far."""
-    shares: list[list[str]] = [[] for _ in range(world)]
-    loads = [0] * world
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = min(range(world), key=lambda i: (loads[i], i))
-        shares[r].append(name)
-        loads[r] += sizes[name]
-    return shares
 
 
 def checked_source(
@@ -419,9 +364,7 @@ def sharded_source(file: str | os.PathLike[str], model: nn.Module) -> Path | Non
     """The sharded folder to resume `file` from: there is one, and the model is sharded or
     there is no plain `file` (a plain file into a plain model is the usual path)."""
     folder = find_sharded(sharded_path(file))
-    return (
-        folder if folder is not None and (isinstance(model, FSDPModule) or not Path(file).exists()) else None
-    )
+    return folder if folder is not None and (is_sharded(model) or not Path(file).exists()) else None
 
 
 def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any]) -> bool:
@@ -430,7 +373,7 @@ def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any])
     False when neither (a plain checkpoint into a plain model: the caller's business)."""
     if folder is not None:
         load_sharded(folder, learn.model, learn.opt, learn.collective)
-    elif isinstance(learn.model, FSDPModule):
+    elif is_sharded(learn.model):
         load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
     else:
         return False
@@ -449,7 +392,7 @@ def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
     """`Learner.load` where sharding is involved: a sharded save (`file` with suffix `.dcp`), or
     a plain `file` onto a sharded learner (each rank keeps its slices). False when neither."""
     folder = sharded_source(file, learn.model)
-    if folder is None and not isinstance(learn.model, FSDPModule):
+    if folder is None and not is_sharded(learn.model):
         return False
     if folder is not None:
         read_meta(folder, learn.model, learn.collective)

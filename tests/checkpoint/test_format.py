@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from tests.fault_scripts import disks
-from unison.serialization import (
-    CheckpointError,
-    DiskFullError,
+from unison.checkpoint.errors import CheckpointError, DiskFullError
+from unison.checkpoint.format import (
     atomic_save,
     free_bytes,
     human_bytes,
@@ -114,7 +113,7 @@ def test_a_full_disk_is_reported_as_such_and_the_previous_checkpoint_survives(sm
 
 _WRITER = """
 import sys, torch
-from unison.serialization import atomic_save
+from unison.checkpoint.format import atomic_save
 state = {"unison_format": 1, "kind": "checkpoint", "model": {"w": torch.randn(8_000_000)}}
 print("ready", flush=True)
 while True:

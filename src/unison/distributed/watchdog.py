@@ -237,7 +237,7 @@ class Watchdog:
             r = silent[0]
             return RankStalledError(
                 f"rank {r} stopped taking part: no heartbeat for {now - beats[r]['t']:.0f} s "
-                f"(process dead or frozen), last at {_where(beats[r]['at'])}",
+                f"({_silent_because()}), last at {_where(beats[r]['at'])}",
                 r,
             )
         positions = {r: tuple(b["at"]) for r, b in beats.items()}
@@ -259,6 +259,14 @@ class Watchdog:
                 lagging,
             )
         return None
+
+
+def _silent_because() -> str:
+    """Why a rank's heartbeat stops: on several machines, a network cut does it too."""
+    several = os.environ.get("WORLD_SIZE", "1") != os.environ.get(
+        "LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")
+    )
+    return "process dead or frozen, or its machine unreachable" if several else "process dead or frozen"
 
 
 def _where(at: list[int] | tuple[int, ...]) -> str:

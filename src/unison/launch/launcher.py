@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
 from unison.launch.rendezvous import (
-    ReleaseStopped,
+    WatchWorkers,
     check_rdzv_endpoint,
     heartbeat_store,
     private_rendezvous_file,
@@ -54,7 +54,13 @@ if TYPE_CHECKING:  # torch loads when a launch starts, after the options are che
 
     from unison.launch.logs import RankLogsSpecs
 
+#: Seconds a worker gets to end after the launcher is told to stop (SIGTERM, SIGINT) before SIGKILL: the
+#: launcher then ends inside the 30 s a cluster usually grants (Kubernetes' terminationGracePeriodSeconds,
+#: SLURM's KillWait). torch's agent waits 30 s; --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT set it.
+SHUTDOWN_GRACE_S = 20
+
 __all__ = [
+    "SHUTDOWN_GRACE_S",
     "LaunchError",
     "LaunchOptions",
     "LaunchPlan",
@@ -334,8 +340,11 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         backend, endpoint, run_id = "c10d", str(opts.rdzv_endpoint), opts.rdzv_id
         backend = opts.torchrun.rdzv_backend or backend  # torchrun's --rdzv-backend (etcd, ...)
         local_addr = iface[1] if iface else None  # the address the other nodes can reach us at
-        configs = {"join_timeout": rdzv_timeout} if rdzv_timeout else {}
-        configs.update(rdzv_store_configs(endpoint, rdzv_timeout))  # the endpoint's owner hosts the store
+        # With restarts, a node cut off for longer than --timeout fails its workers, not the job: the
+        # next rendezvous waits for it as torch's does (join 600 s, store reads 60 s; --rdzv-conf sets them).
+        wait = None if opts.max_restarts else rdzv_timeout
+        configs = {"join_timeout": wait} if wait else {}
+        configs.update(rdzv_store_configs(endpoint, wait))  # the endpoint's owner hosts the store
     if backend == "c10d":
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
         # store that outlives it (pytorch/pytorch#135712), and the workers get nothing every node
@@ -344,6 +353,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     configs.update({k: v for k, v in opts.torchrun.rdzv_conf.items() if k != "store_type"})  # --rdzv-conf
     agent = dict(opts.torchrun.agent)  # torchrun's options for torch's agent, as given
+    if "shutdown_timeout" not in agent and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        agent["shutdown_timeout"] = SHUTDOWN_GRACE_S  # a worker ignoring SIGTERM ends inside the grace
     local_addr = agent.pop("local_addr", local_addr)
     logs = RankLogsSpecs(log_dir, ranks_filter=opts.torchrun.ranks_filter, redirects=opts.torchrun.redirects)
     config = LaunchConfig(
@@ -399,8 +410,9 @@ def launch(opts: LaunchOptions) -> int:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with ReleaseStopped(), _heartbeats(opts) as beats, exported({**plan.env, **beats}):
-            launch_agent(plan.config, sys.executable, plan.args)
+        with WatchWorkers(), plan.logs.console_guard(), _heartbeats(opts) as beats:
+            with exported({**plan.env, **beats}):
+                launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
         kept = os.path.abspath(log_dir) if keep_logs else None
@@ -411,7 +423,9 @@ def launch(opts: LaunchOptions) -> int:
         print(f"unison launch: {refused}", file=sys.stderr, flush=True)
         return 1
     except SignalException as sig:
-        print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down", file=sys.stderr)
+        grace = plan.config.shutdown_timeout if plan else None
+        late = plan.logs.stragglers(sig.sigval.name, grace) if plan and plan.logs else ""
+        print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down{late}", file=sys.stderr)
         return 128 + int(sig.sigval)
     except KeyboardInterrupt:  # before torch's agent installed its handlers
         return 130
@@ -433,12 +447,13 @@ def launch(opts: LaunchOptions) -> int:
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
             if opts.rdzv_endpoint:
-                hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint)})"
+                ran = bool(plan and plan.logs and plan.logs.attempts)  # lost while the workers ran
+                hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint, ran)})"
         print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         sys.stdout.flush()
-        if not keep_logs:
+        if not keep_logs and not (plan and plan.logs and plan.logs.console_lost):  # else they hold the output
             shutil.rmtree(log_dir, ignore_errors=True)
         if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
             with contextlib.suppress(OSError):

@@ -8,15 +8,19 @@ failure at once (`pointless_restart`). Imported when a launch starts (it needs t
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import logging
 import os
 import sys
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
 from unison.launch.rendezvous import private_dir, private_files
+from unison.launch.support import exit_phrase, oom_kills
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
 
@@ -44,6 +48,10 @@ class RankLogsSpecs(LogsSpecs):
         self.stderr_files: dict[int, str] = {}
         self.attempts = 0  # worker groups started so far on this node (the log folder's number)
         self.restart = "0"  # torch's TORCHELASTIC_RESTART_COUNT of the latest one
+        self.ranks: dict[int, int] = {}  # local rank -> global rank, in the latest attempt
+        self.oom_kills: int | None = None  # the OOM killer's count (/proc/vmstat) when it started
+        self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
+        self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -70,7 +78,9 @@ class RankLogsSpecs(LogsSpecs):
                 raise RestartRefused(f"not restarting: {hopeless}")
             if restart != self.restart:
                 most = first.get("TORCHELASTIC_MAX_RESTARTS", "?")
-                print(f"unison launch: restarting the workers (restart {restart} of {most})", file=sys.stderr)
+                why = self._last_failure(os.path.join(self.root_log_dir, f"attempt_{attempt - 1}"))
+                line = f"unison launch: restarting the workers (restart {restart} of {most}){why}"
+                print(line, file=sys.stderr)
             else:
                 print(
                     "unison launch: restarting the workers: a node (re)joined the job (not counted against "
@@ -78,6 +88,7 @@ class RankLogsSpecs(LogsSpecs):
                     file=sys.stderr,
                 )
         self.restart = restart
+        self.ranks, self.oom_kills = {}, oom_kills()
         # 0700, files 0600: logs may hold secrets, and other local users must not read them.
         base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
@@ -86,6 +97,7 @@ class RankLogsSpecs(LogsSpecs):
         )
         for local_rank, env in envs.items():
             rank = int(env.get("RANK", local_rank))
+            self.ranks[local_rank] = rank
             stem = os.path.join(base, f"rank{rank}")
             out, err, error_file = f"{stem}.stdout.log", f"{stem}.stderr.log", f"{stem}.error.json"
             with contextlib.suppress(FileNotFoundError):
@@ -100,6 +112,141 @@ class RankLogsSpecs(LogsSpecs):
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             self.stderr_files[local_rank] = err
         return dest
+
+    def _last_failure(self, attempt_dir: str) -> str:
+        """`: rank 1 failed (signal SIGKILL, ...)`: the failure the agent restarts after, if it logged one."""
+        failed, self.notes.failed = self.notes.failed, None
+        if failed is None:
+            return ""
+        exitcode, local_rank = failed
+        rank = self.ranks.get(local_rank, local_rank)
+        headline = _headline(os.path.join(attempt_dir, f"rank{rank}.error.json")) if exitcode >= 0 else None
+        how = exit_phrase(exitcode, self.oom_kills)
+        return f": rank {rank} failed ({how}){': ' + headline if headline else ''}"
+
+    def stragglers(self, signame: str, grace: float | None) -> str:
+        """ " (2 workers did not end within 20 s of SIGTERM and were killed (SIGKILL))", or ""."""
+        killed = self.notes.killed
+        if not killed:
+            return ""
+        within = f"within {grace:g} s " if grace is not None else ""
+        workers = f"{killed} workers" if killed > 1 else "1 worker"
+        were = "were" if killed > 1 else "was"
+        return f" ({workers} did not end {within}of {signame} and {were} killed (SIGKILL))"
+
+    @contextlib.contextmanager
+    def console_guard(self) -> Iterator[None]:
+        """While torch's agent runs, its tailers write every rank's lines to a console that may go
+        away (a pipe whose reader exits). The workers never write to it (their output goes to
+        files), so training goes on: the lines are dropped, once said on the other stream, and
+        the log files are kept (`console_lost`) so nothing is lost."""
+        saved = sys.stdout, sys.stderr
+        sys.stdout = _Console(saved[0], "stdout", self)
+        sys.stderr = _Console(saved[1], "stderr", self)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+
+    def lost_console(self, name: str, exc: BaseException) -> None:
+        """Say once (on the stream still open) that the console's `name` went away, and keep the logs."""
+        with _LOCK:  # the tailers write from threads of their own
+            first, self.console_lost = not self.console_lost, True
+        if not first:
+            return
+        other = sys.__stderr__ if name == "stdout" else sys.__stdout__
+        with contextlib.suppress(Exception):
+            print(
+                f"unison launch: note: the console's {name} was closed ({type(exc).__name__}): the workers "
+                f"go on, and every rank's output is kept in {self.root_log_dir} "
+                f"(attempt_<k>/rank<R>.{name}.log)",
+                file=other,
+                flush=True,
+            )
+
+
+def _headline(error_file: str) -> str | None:
+    """The error message in torch's error file `error_file` (None if there is none, or it is unreadable)."""
+    try:
+        message = json.loads(Path(error_file).read_text())["message"]
+        return str(message["message"] if isinstance(message, dict) else message)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Console(io.TextIOBase):
+    """A console stream that, once its reader is gone, drops what is written instead of raising."""
+
+    def __init__(self, stream: io.TextIOBase, name: str, owner: RankLogsSpecs) -> None:
+        self._stream, self._name, self._owner = stream, name, owner
+        self._gone = False
+
+    def _lost(self, exc: BaseException) -> None:
+        self._gone = True
+        with contextlib.suppress(Exception):  # later writes and the exit's flush must not fail either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        self._owner.lost_console(self._name, exc)
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                self._stream.write(text)
+                if "\n" in text:
+                    self._stream.flush()
+            except (OSError, ValueError) as exc:  # EPIPE, a closed file
+                self._lost(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError) as exc:
+                self._lost(exc)
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+    def isatty(self) -> bool:
+        return not self._gone and self._stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+
+class _AgentNotes(logging.Handler):
+    """What torch's agent logs about its workers (its logs are off the console): the failure it
+    restarts after, and how many workers it had to kill after the shutdown grace."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.failed: tuple[int, int] | None = None  # (exit code or -signal, local rank)
+        self.killed = 0
+
+    def reset(self) -> _AgentNotes:
+        logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        if self not in logger.handlers:
+            logger.addHandler(self)
+        self.failed, self.killed = None, 0
+        return self
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            if msg.startswith("failed (exitcode: %s) local_rank: %s"):
+                self.failed = (int(record.args[0]), int(record.args[1]))  # type: ignore[index]
+            elif msg.startswith("Unable to shutdown process"):
+                self.killed += 1
+
+
+_AGENT_NOTES = _AgentNotes()
+_LOCK = threading.Lock()
 
 
 class RestartRefused(RuntimeError):

@@ -3,9 +3,12 @@
 - `heartbeat_store`: the store the workers' watchdogs publish their progress to, hosted in the
   launcher (the agent's process), not in rank 0: a rank that freezes (SIGSTOP, swapped out,
   D-state) must not take the store the others diagnose it with down with it.
-- `ReleaseStopped`: torch's agent stops the workers with SIGTERM and waits up to 30 s before
-  SIGKILL; a stopped process keeps a SIGTERM pending and never acts on it. This thread
-  continues (SIGCONT) a child that is stopped with a SIGTERM pending, so it ends at once.
+- `WatchWorkers`: torch's agent stops the workers with SIGTERM and waits before SIGKILL; a
+  stopped process keeps a SIGTERM pending and never acts on it. This thread continues (SIGCONT)
+  a child that is stopped with a SIGTERM pending, so it ends at once. And a worker that dies
+  (the OOM killer's SIGKILL) leaves its own children behind (DataLoader workers, which notice
+  only seconds later): torch's agent signals a worker's process group only while the worker
+  runs, so this thread ends what is left of a worker's session once the worker is gone.
 """
 
 from __future__ import annotations
@@ -86,19 +89,59 @@ def stopped_with_pending_term(pid: int) -> bool:
     return bool(pending & term)
 
 
-class ReleaseStopped:
-    """A thread that continues this process's stopped children once they are told to terminate.
+def _session_of(pid: int) -> int | None:
+    """The session id of `pid` (from /proc/<pid>/stat), or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[3])  # after "pid (comm)": state ppid pgrp session ...
 
-    >>> with ReleaseStopped():
+
+def _launched_by(pid: int, launcher: int) -> bool:
+    """True when `pid` has the variable `unison launch` exports to its workers (their children inherit it)."""
+    from unison.launch.worker import LAUNCHER_PID_ENV
+
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{LAUNCHER_PID_ENV}={launcher}".encode() in environ.split(b"\0")
+
+
+def end_leftovers(sessions: set[int], launcher: int) -> list[int]:
+    """SIGKILL every process still in one of `sessions` (the sessions of workers that have ended)
+    that this launch started; return their pids."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if _session_of(pid) in sessions and _launched_by(pid, launcher):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+class WatchWorkers:
+    """A thread beside torch's agent: it continues this process's stopped children once they are
+    told to terminate, and ends what a worker leaves behind once the worker is gone.
+
+    torch's agent starts every worker in a session of its own (its pid is the session id), so the
+    processes left in it after the worker ended are the worker's own children.
+
+    >>> with WatchWorkers():
     ...     launch_agent(config, sys.executable, args)  # doctest: +SKIP
     """
 
     def __init__(self, interval: float = 0.25):
         self.interval = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="unison-release-stopped", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="unison-watch-workers", daemon=True)
+        self._workers: set[int] = set()  # children seen, each a session leader (torch's start_new_session)
 
-    def __enter__(self) -> ReleaseStopped:
+    def __enter__(self) -> WatchWorkers:
         if os.path.isdir("/proc/self/task"):
             self._thread.start()
         return self
@@ -107,14 +150,28 @@ class ReleaseStopped:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval)
+        self._sweep(set(_children(os.getpid())))  # the agent has stopped its workers: nothing of them stays
 
     def _run(self) -> None:
         me = os.getpid()
         while not self._stop.wait(self.interval):
-            for child in _children(me):
+            children = set(_children(me))
+            for child in children:
                 if stopped_with_pending_term(child):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(child, signal.SIGCONT)
+            self._sweep(children)
+
+    def _sweep(self, children: set[int]) -> None:
+        """Remember the workers (children leading their own session); end what the gone ones left."""
+        me = os.getpid()
+        for child in children - self._workers:
+            if _session_of(child) == child:
+                self._workers.add(child)
+        gone = self._workers - children
+        if gone:
+            self._workers -= gone
+            end_leftovers(gone, me)
 
 
 #: The key torch's c10d rendezvous backend creates first in its store (`C10dRendezvousBackend`).
@@ -245,8 +302,9 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
     return configs
 
 
-def rdzv_failure_hint(endpoint: str) -> str:
-    """Why an elastic rendezvous at `endpoint` could not form, as far as this node can tell."""
+def rdzv_failure_hint(endpoint: str, ran: bool = False) -> str:
+    """Why an elastic rendezvous at `endpoint` could not form or went away, as far as this node can
+    tell; `ran`: this node's workers had started (the job was lost, not never formed)."""
     from unison.launch.support import LaunchError, resolve
 
     host = endpoint.rpartition(":")[0].strip("[]")
@@ -254,6 +312,16 @@ def rdzv_failure_hint(endpoint: str) -> str:
         _, addr = resolve(host)
     except LaunchError as exc:
         return str(exc)
+    if ran and is_local_address(addr):
+        return (
+            f"this node has {addr} and hosts the rendezvous store; the other nodes stopped answering after "
+            "the workers started: a node went down, or the network between the nodes was cut"
+        )
+    if ran:
+        return (
+            f"the node that has the address {addr} hosts the rendezvous store, and it stopped answering "
+            "after the workers started: that node went down, or the network to it was cut"
+        )
     if is_local_address(addr):
         return f"this node has {addr} and hosted the rendezvous store: did the other nodes start?"
     return (

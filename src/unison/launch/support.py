@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -274,6 +275,60 @@ def _how(failure: ProcessFailure) -> tuple[str, int]:
     return f"exit code {failure.exitcode}", failure.exitcode or 1
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended on this machine since boot (/proc/vmstat).
+
+    >>> oom_kills()
+    3
+    """
+    try:
+        with open("/proc/vmstat") as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def sigkill_cause(oom_before: int | None) -> str:
+    """What a worker's SIGKILL most likely was: the OOM killer if it ended a process since
+    `oom_before` (the count when the attempt started), else the usual senders.
+
+    >>> sigkill_cause(3)  # /proc/vmstat's oom_kill is 4 now
+    "killed by the kernel's OOM killer (out of memory): it ended 1 process on this machine during ..."
+    """
+    now = oom_kills()
+    if now is not None and oom_before is not None and now > oom_before:
+        return (
+            f"killed by the kernel's OOM killer (out of memory): it ended {now - oom_before} process(es) on "
+            "this machine during this attempt (/proc/vmstat oom_kill); dmesg names them"
+        )
+    return (
+        "SIGKILL, exit status 137: sent by the kernel's OOM killer when memory runs out (dmesg says so), "
+        "by kill -9, or by a scheduler's hard stop"
+    )
+
+
+def exit_phrase(exitcode: int, oom_before: int | None = None) -> str:
+    """How a worker ended, in a few words: "exit code 1", "signal SIGKILL, killed by the kernel's OOM killer".
+
+    >>> exit_phrase(-9, oom_before=None)
+    'signal SIGKILL'
+    """
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    if -exitcode == signal.SIGKILL and oom_before is not None:
+        cause = sigkill_cause(oom_before)
+        if cause.startswith("killed by"):
+            return f"signal {name}, {cause.split(':')[0]}"
+    return f"signal {name}"
+
+
 def failure_summary(
     err: ChildFailedError, logs: RankLogsSpecs | None = None, log_dir: str | None = None, lines: int = 12
 ) -> tuple[str, int]:
@@ -289,9 +344,21 @@ def failure_summary(
     body = stack.rstrip("\n").splitlines()[-lines:] if stack else []
     if not body and logs is not None:
         body = _tail(logs.stderr_files.get(failure.local_rank), lines)
-    out = [f"unison launch: rank {rank} failed ({how}){': ' + headline if headline else ''}"]
+    first = f"rank {rank} failed ({how}){': ' + headline if headline else ''}"
+    # torch's agent counts exit 0 as that worker's success: a rank of this node missing from the
+    # failures had ended with 0 while the others ran (the agent stops the rest, recorded as failures).
+    ended = sorted(set(logs.ranks.values()) - set(err.failures)) if logs is not None else []
+    peer_loss = is_peer_loss(failure) or "left the training early" in headline
+    if ended and peer_loss:
+        names = ", ".join(map(str, ended))
+        first = f"rank {names} left the job early (exit status 0 while the others still ran); then {first}"
+    out = [f"unison launch: {first}"]
     out += [f"  | {line}" for line in body]
-    if is_peer_loss(failure):
+    if failure.exitcode == -signal.SIGKILL:
+        out.append(f"  ({sigkill_cause(logs.oom_kills if logs is not None else None)})")
+    if ended and not peer_loss:
+        out.append(f"  rank {', '.join(map(str, ended))} had ended before, with exit status 0")
+    elif is_peer_loss(failure) and not ended:
         out.append("  (its error says a peer went away: the first failure may be on another rank or node)")
     others = [f"{r} ({_how(f)[0]})" for r, f in sorted(err.failures.items()) if r != rank]
     if others:

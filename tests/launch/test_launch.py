@@ -22,7 +22,7 @@ from unison.cli import env_report
 from unison.cli import main as cli_main
 from unison.distributed.env import threads_per_worker
 from unison.launch import launcher as launch_mod
-from unison.launch.support import LaunchError
+from unison.launch.options import LaunchError
 
 pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from unison.launch.launcher import parse_options, plan_launch
 from unison.launch.logs import RankLogsSpecs
+from unison.launch.options import LaunchError
 from unison.launch.rendezvous import check_rdzv_endpoint
-from unison.launch.support import LaunchError
 
 PROBE = Path(__file__).resolve().parents[1] / "scripts" / "probe.py"
 

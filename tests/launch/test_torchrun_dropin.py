@@ -16,7 +16,7 @@ import torch.distributed.run as torchrun
 
 from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, finish, run, start, tagged
 from unison.launch import launcher as launch_mod
-from unison.launch.support import LaunchError
+from unison.launch.options import LaunchError
 
 pytestmark = pytest.mark.slow  # real processes: launches
 

@@ -26,7 +26,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unison.launch.options import TorchrunChoices, add_torchrun_options, parse_nproc, torchrun_choices
+from unison.launch.environ import exported, quiet_torch_logs
+from unison.launch.failures import failure_summary, unreadable_error_files
+from unison.launch.network import interface_for, port_in_use, resolve
+from unison.launch.options import (
+    LaunchError,
+    TorchrunChoices,
+    add_torchrun_options,
+    parse_gpus,
+    parse_nnodes,
+    parse_nproc,
+    torchrun_choices,
+)
 from unison.launch.rendezvous import (
     WatchWorkers,
     check_rdzv_endpoint,
@@ -34,18 +45,6 @@ from unison.launch.rendezvous import (
     private_rendezvous_file,
     rdzv_failure_hint,
     rdzv_store_configs,
-)
-from unison.launch.support import (
-    LaunchError,
-    exported,
-    failure_summary,
-    interface_for,
-    parse_gpus,
-    parse_nnodes,
-    port_in_use,
-    quiet_torch_logs,
-    resolve,
-    unreadable_error_files,
 )
 from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
@@ -210,7 +209,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
 
     >>> parse_options(["--nproc", "0", "train.py"])
     Traceback (most recent call last):
-    unison.launch.support.LaunchError: --nproc must be at least 1, got 0
+    unison.launch.options.LaunchError: --nproc must be at least 1, got 0
     """
     a = _parser().parse_args(list(argv))
     a.nproc = parse_nproc(a.nproc)

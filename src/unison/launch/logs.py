@@ -19,8 +19,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
+from unison.launch.failures import exit_phrase, oom_kills
 from unison.launch.rendezvous import private_dir, private_files
-from unison.launch.support import exit_phrase, oom_kills
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
 

@@ -34,9 +34,20 @@ from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
 from typing import Any
 
-from unison.launch.support import LaunchError
+__all__ = [
+    "LaunchError",
+    "TorchrunChoices",
+    "parse_gpus",
+    "parse_nnodes",
+    "add_torchrun_options",
+    "parse_nproc",
+    "torchrun_choices",
+]
 
-__all__ = ["TorchrunChoices", "add_torchrun_options", "parse_nproc", "torchrun_choices"]
+
+class LaunchError(ValueError):
+    """Bad launch options or environment, found before any process starts (one readable line)."""
+
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
@@ -286,3 +297,40 @@ def _numa(mode: str) -> Any:
     except ValueError:
         modes = ", ".join(m.value for m in AffinityMode)
         raise LaunchError(f"--numa-binding {mode}: expected one of {modes}") from None
+
+
+def parse_gpus(spec: str) -> tuple[int, ...]:
+    """GPU ids from `--gpus` ("0,1" or "all"), checked against `torch.cuda.device_count()`."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise LaunchError(
+            f"--gpus {spec}: this machine has no GPU (torch.cuda.device_count() is 0, torch "
+            f"{torch.__version__}); use --nproc N to run N CPU processes"
+        )
+    if spec.strip().lower() == "all":
+        return tuple(range(count))
+    try:
+        ids = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise LaunchError(f"--gpus {spec}: expected GPU ids like 0,1 or 'all'") from None
+    absent = [i for i in ids if not 0 <= i < count]
+    if not ids or absent or len(set(ids)) != len(ids):
+        why = f"GPU {absent} not present" if absent else "ids must be distinct and non-empty"
+        raise LaunchError(f"--gpus {spec}: {why}; this machine has {count} GPU(s): 0..{count - 1}")
+    return ids
+
+
+def parse_nnodes(spec: str, elastic: bool) -> tuple[int, int]:
+    """`(min, max)` machines from `--nnodes` ("2", or "1:4" for an elastic rendezvous)."""
+    try:
+        lo, _, hi = spec.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {spec}: expected a number of machines (or MIN:MAX)") from None
+    if not 1 <= low <= high:
+        raise LaunchError(f"--nnodes {spec}: needs 1 <= MIN <= MAX")
+    if low != high and not elastic:
+        raise LaunchError(f"--nnodes {spec}: a range needs an elastic rendezvous (--rdzv-endpoint H:P)")
+    return low, high

@@ -206,7 +206,7 @@ def _probe_store(addr: str, port: int, key: str, wait: float) -> bool | None:
 
 def is_local_address(addr: str) -> bool:
     """True when `addr` is loopback or one of this machine's interface addresses."""
-    from unison.launch.support import interface_addresses
+    from unison.launch.network import interface_addresses
 
     try:
         if ipaddress.ip_address(addr).is_loopback:
@@ -224,7 +224,8 @@ def check_rdzv_endpoint(endpoint: str, run_id: str = "unison", wait: float = 3.0
 
     >>> check_rdzv_endpoint("127.0.0.1:29400", run_id="7")  # LaunchError if another job holds 29400
     """
-    from unison.launch.support import LaunchError, port_in_use, resolve
+    from unison.launch.network import port_in_use, resolve
+    from unison.launch.options import LaunchError
 
     host, _, port_text = endpoint.rpartition(":")
     _, addr = resolve(host.strip("[]"))
@@ -288,7 +289,7 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
     """
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    from unison.launch.support import resolve
+    from unison.launch.network import resolve
 
     host, _, _ = endpoint.rpartition(":")
     host = host.strip("[]")
@@ -305,7 +306,8 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
 def rdzv_failure_hint(endpoint: str, ran: bool = False) -> str:
     """Why an elastic rendezvous at `endpoint` could not form or went away, as far as this node can
     tell; `ran`: this node's workers had started (the job was lost, not never formed)."""
-    from unison.launch.support import LaunchError, resolve
+    from unison.launch.network import resolve
+    from unison.launch.options import LaunchError
 
     host = endpoint.rpartition(":")[0].strip("[]")
     try:

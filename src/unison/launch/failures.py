@@ -1,199 +1,32 @@
-"""Helpers of `unison launch`: option and network checks, the failure summary.
+"""What went wrong in a launch, in one summary: the root-cause rank, how it ended, its traceback.
 
-Nothing here supervises a process or forms a rendezvous (torch's elastic agent does both):
-this module decides which interface gloo uses, checks a port before anything starts, and turns
-torch's `ChildFailedError` into one summary. It imports no torch at module level, so bad options
-are answered before torch loads (where each rank's output goes: `unison.launch.logs`).
+torch's agent reports a `ChildFailedError` holding every failed worker; this module picks the
+root cause (a rank whose error says a *peer* went away is never it when a better one exists),
+says how it ended (exit code, signal, the kernel's OOM killer) and shows the end of its
+traceback or stderr log. Nothing here supervises a process: torch's agent does.
+
+>>> exit_phrase(-9)
+'signal SIGKILL'
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import signal
-import socket
-import struct
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # torch is imported only once a launch starts: option errors come first (fast)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from unison.launch.logs import RankLogsSpecs
 
+class WorkerLogs(Protocol):
+    """What the summary reads of this node's per-rank logs (`unison.launch.logs.RankLogsSpecs`)."""
 
-class LaunchError(ValueError):
-    """Bad launch options or environment, found before any process starts (one readable line)."""
-
-
-# ---- options ---------------------------------------------------------------------------------
-def parse_gpus(spec: str) -> tuple[int, ...]:
-    """GPU ids from `--gpus` ("0,1" or "all"), checked against `torch.cuda.device_count()`."""
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise LaunchError(
-            f"--gpus {spec}: this machine has no GPU (torch.cuda.device_count() is 0, torch "
-            f"{torch.__version__}); use --nproc N to run N CPU processes"
-        )
-    if spec.strip().lower() == "all":
-        return tuple(range(count))
-    try:
-        ids = tuple(int(x) for x in spec.split(",") if x.strip())
-    except ValueError:
-        raise LaunchError(f"--gpus {spec}: expected GPU ids like 0,1 or 'all'") from None
-    absent = [i for i in ids if not 0 <= i < count]
-    if not ids or absent or len(set(ids)) != len(ids):
-        why = f"GPU {absent} not present" if absent else "ids must be distinct and non-empty"
-        raise LaunchError(f"--gpus {spec}: {why}; this machine has {count} GPU(s): 0..{count - 1}")
-    return ids
-
-
-def parse_nnodes(spec: str, elastic: bool) -> tuple[int, int]:
-    """`(min, max)` machines from `--nnodes` ("2", or "1:4" for an elastic rendezvous)."""
-    try:
-        lo, _, hi = spec.partition(":")
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise LaunchError(f"--nnodes {spec}: expected a number of machines (or MIN:MAX)") from None
-    if not 1 <= low <= high:
-        raise LaunchError(f"--nnodes {spec}: needs 1 <= MIN <= MAX")
-    if low != high and not elastic:
-        raise LaunchError(f"--nnodes {spec}: a range needs an elastic rendezvous (--rdzv-endpoint H:P)")
-    return low, high
-
-
-# ---- network -----------------------------------------------------------------------------------
-def resolve(host: str) -> tuple[socket.AddressFamily, str]:
-    """`host`'s first address (IPv4 preferred), or a `LaunchError` saying it does not resolve.
-
-    >>> resolve("127.0.0.1")
-    (<AddressFamily.AF_INET: 2>, '127.0.0.1')
-    """
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror as exc:
-        raise LaunchError(f"cannot resolve host {host!r}: {exc.strerror}") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    family, *_, sockaddr = infos[0]
-    return family, str(sockaddr[0])
-
-
-def route_source(host: str, port: int = 9) -> str | None:
-    """The local address this machine would use to reach `host` (a UDP `connect`: no packet is sent)."""
-    try:
-        family, addr = resolve(host)
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((addr, port))
-            return str(s.getsockname()[0])
-    except (OSError, LaunchError):
-        return None
-
-
-def _ioctl_ipv4(name: str) -> str | None:
-    import fcntl
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def interface_addresses() -> dict[str, list[str]]:
-    """Each network interface's addresses: `ip -o addr` where available, else SIOCGIFADDR (IPv4)."""
-    found: dict[str, list[str]] = {}
-    try:
-        out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
-        for line in out.splitlines():  # "2: eth0    inet 10.0.0.5/24 brd ..."
-            parts = line.split()
-            if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
-                found.setdefault(parts[1].split("@")[0], []).append(parts[3].split("/")[0])
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not found and hasattr(socket, "if_nameindex"):
-        for _, name in socket.if_nameindex():
-            addr = _ioctl_ipv4(name)
-            if addr:
-                found.setdefault(name, []).append(addr)
-    return found
-
-
-def interface_for(host: str) -> tuple[str, str] | None:
-    """`(interface name, local address)` that routes to `host`: what gloo should bind to.
-
-    >>> interface_for("127.0.0.1")
-    ('lo', '127.0.0.1')
-    """
-    source = route_source(host)
-    if source is None:
-        return None
-    for name, addrs in interface_addresses().items():
-        if source in addrs:
-            return name, source
-    return None
-
-
-def default_route_interface() -> tuple[str, str] | None:
-    """`(name, address)` of the interface of the IPv4 default route (read from /proc; no traffic)."""
-    try:
-        lines = Path("/proc/net/route").read_text().splitlines()[1:]
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 2 and fields[1] == "00000000":
-            addrs = interface_addresses().get(fields[0], [])
-            return fields[0], (addrs[0] if addrs else "?")
-    return None
-
-
-def port_in_use(port: int) -> bool:
-    """True when a TCP server already listens on `port` on this machine (tried by binding it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # like TCPStore: TIME_WAIT is no conflict
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
-
-
-@contextlib.contextmanager
-def exported(env: dict[str, str]) -> Iterator[None]:
-    """Export `env` for the duration of the block (torch's agent passes os.environ to workers)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def quiet_torch_logs(verbose: bool) -> None:
-    """torch's agent logs every step at WARNING/ERROR; the summary says what matters."""
-    import logging
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setLevel(logging.INFO if verbose else logging.CRITICAL)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.propagate = False
-        if verbose:
-            logger.setLevel(logging.INFO)
+    stderr_files: dict[int, str]  # local rank -> its stderr log
+    ranks: dict[int, int]  # local rank -> global rank
+    oom_kills: int | None  # the machine's OOM-kill count when the attempt started
 
 
 def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
@@ -217,7 +50,6 @@ def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
     return found
 
 
-# ---- failure summary ---------------------------------------------------------------------------
 # Errors a rank raises because *another* rank went away: never the root cause when a better one exists.
 _PEER_LOSS = (
     "Connection closed by peer",
@@ -330,7 +162,7 @@ def exit_phrase(exitcode: int, oom_before: int | None = None) -> str:
 
 
 def failure_summary(
-    err: ChildFailedError, logs: RankLogsSpecs | None = None, log_dir: str | None = None, lines: int = 12
+    err: ChildFailedError, logs: WorkerLogs | None = None, log_dir: str | None = None, lines: int = 12
 ) -> tuple[str, int]:
     """One summary of a failed launch and the exit code to return.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from unison.learner import Learner
+    from unison.callbacks.learner_view import LearnerView
 
 # The events, in the order a fit raises them (the batch and phase events repeat).
 EVENTS: tuple[str, ...] = (
@@ -68,7 +68,7 @@ class Callback:
     """
 
     order: int = 0
-    learn: Learner
+    learn: LearnerView
 
     @property
     def name(self) -> str:

@@ -18,7 +18,7 @@ from unison.callbacks.core import Callback, CancelFitException, CancelValidExcep
 from unison.data.stream import loader_length
 
 if TYPE_CHECKING:
-    from unison.learner import Learner
+    from unison.callbacks.learner_view import LearnerView
 
 
 def top_lr(lr: float | slice | Sequence[float]) -> float:
@@ -255,7 +255,7 @@ class LRFinder(Callback):
 
 
 def lr_find(
-    learn: Learner, start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, stop_div: bool = True
+    learn: LearnerView, start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, stop_div: bool = True
 ) -> float:
     """The LR range test: train briefly with a rising LR, then put model and optimizer back.
 

@@ -37,8 +37,8 @@ from unison.callbacks.core import Callback
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.sync_bn import convert_sync_batchnorm
-from unison.distributed.trainer import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.watchdog import RankStalledError
 
 BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None

@@ -10,10 +10,8 @@ accumulation micro-steps; then undo all of it on `restore()`.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,14 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from unison.callbacks.core import Callback
-from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
-from unison.data.loader import shard_problem
-from unison.distributed.collective import Collective
-from unison.distributed.devices import BACKEND_ENV, pick_device, place_training_state
+from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
-from unison.distributed.group import destroy_group, resolve_timeout, setup_distrib, teardown_distrib
+from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
-from unison.distributed.watchdog import RankStalledError, Watchdog
+from unison.distributed.watchdog import RankStalledError
 
 #: DDP gradient bucket size on gloo (torch's default is 25). Measured with `benchmarks/run.py --knobs`
 #: (2 CPU processes): +8% samples/s on the MLP workload, neutral on the CNN. Fewer, larger all-reduces
@@ -74,119 +70,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Call the wrapped model's `reset()`, where it has one."""
         if hasattr(self.module, "reset"):
             self.module.reset()
-
-
-def training_device(learn: Any, cuda_id: int | None, backend: str | None = None) -> torch.device:
-    """The device a distributed learner trains on: the local rank's GPU (or `cuda_id`) under CUDA,
-    else the model's.
-
-    Without CUDA a `cuda_id` (seed 002's `to_distributed(local_rank)`) is only this process's
-    place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
-    """
-    force_cpu = (backend or os.environ.get(BACKEND_ENV)) == "gloo"
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    # Launched: the local rank's GPU. A script's own processes without LOCAL_RANK (torch's
-    # mp.spawn): the GPU it bound with set_device.
-    raw = os.environ.get("LOCAL_RANK")
-    local_rank = int(raw) if raw is not None else (torch.cuda.current_device() if n_gpus else 0)
-    group_backend = dist.get_backend() if group_active() else None
-    return pick_device(group_backend, cuda_id, local_rank, n_gpus, learn.device, force_cpu=force_cpu)
-
-
-def make_collective(learn: Any, device: torch.device, check_data: bool = True) -> Collective:
-    """The WORLD group's `Collective`, after checking every loader can be sharded and every rank
-    holds the same data."""
-    refuse_unshardable(learn, dist.get_world_size())
-    collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
-    check_loaders_agree(learn, collective, check_data)
-    return collective
-
-
-def refuse_unshardable(learn: Any, world_size: int) -> None:
-    """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
-    for name, dl in (("train", learn.dls.train), ("valid", learn.dls.valid)):
-        problem = shard_problem(dl) if dl is not None else None
-        if problem is not None:
-            raise ValueError(
-                f"distrib_ctx: the {name} loader (dls.{name}) cannot be sharded across "
-                f"{world_size} processes: {problem}"
-            )
-
-
-def join_collective(learn: Any, collective: Collective) -> None:
-    """Point `learn` at `collective` and give every rank rank 0's data seed (one data order)."""
-    learn.set_collective(collective)
-    learn.data_seed = collective.broadcast_object(learn.data_seed)
-
-
-def check_loaders_agree(learn: Any, collective: Collective, check_data: bool = True) -> None:
-    """Every rank must hold the same data: a loader of different length would desynchronise them,
-    and different items (random data made without `set_seed`, another file per node) would mix.
-    `check_data=False` compares lengths only (data meant to differ)."""
-    dls = (("train", learn.dls.train), ("valid", learn.dls.valid))
-    local = {
-        name: (
-            len(dl.dataset) if hasattr(dl.dataset, "__len__") else None,
-            dataset_fingerprint(dl.dataset) if check_data else None,
-        )
-        for name, dl in dls
-        if dl is not None
-    }
-    everyone = collective.gather_objects(local)
-    for name in local:
-        sizes = [per_rank[name][0] for per_rank in everyone]
-        if len(set(sizes)) > 1:
-            raise ValueError(
-                f"the {name} dataset differs across ranks (sizes by rank: {sizes}): every rank "
-                "must build the same dataset; DistributedDL gives each its share"
-            )
-        prints = [per_rank[name][1] for per_rank in everyone]
-        if None not in prints and len(set(prints)) > 1:
-            others = [r for r, p in enumerate(prints) if p != prints[0]]
-            where = ", ".join(map(str, fingerprint_positions(sizes[0] or 0)))
-            raise ValueError(
-                f"the {name} dataset differs across ranks: rank(s) {others} hold other items than "
-                f"rank 0 (same length {sizes[0]}; items compared at positions {where}): build the "
-                "data the same way on every rank (set_seed before making random data, the same "
-                "files on every node), or pass distrib_ctx(check_data=False) if it is meant to differ"
-            )
-
-
-class RankMonitor:
-    """One rank's part in "no hang": a barrier at each epoch that names who misses it, and
-    the `Watchdog`'s heartbeats, so a failed collective names the rank that stopped.
-    Shared by `DistributedTrainer` and `ShardedTrainer`.
-
-    >>> monitor = RankMonitor(timeout=60); monitor.epoch_barrier(); monitor.stop()
-    """
-
-    def __init__(self, timeout: float | None):
-        self.timeout = resolve_timeout(timeout)
-        # monitored_barrier names the ranks that miss it, but exists only on gloo.
-        self._barrier_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        # On NCCL a timed-out collective aborts the process instead of raising: the heartbeat thread
-        # names the missing rank and ends this process first.
-        self.watchdog = Watchdog(self.timeout, exit_on_stall=dist.get_backend() == "nccl")
-        self.watchdog.start()
-
-    def epoch_barrier(self) -> None:
-        """Everyone reaches each epoch, or the job fails naming who did not."""
-        wait = timedelta(seconds=self.timeout)
-        dist.monitored_barrier(group=self._barrier_group, timeout=wait, wait_all_ranks=True)
-
-    def progress(self, learn: Any, stage: int) -> None:
-        self.watchdog.progress(learn.epoch, 0 if learn.training else 1, learn.iter, stage)
-
-    def diagnose(self) -> RankStalledError | None:
-        """After a failed collective: the rank that stopped taking part, if another one did."""
-        found = self.watchdog.diagnose()
-        return found if found is not None and found.rank != dist.get_rank() else None
-
-    def stop(self) -> None:
-        self.watchdog.stop()
-        if self._barrier_group is not None:
-            destroy_group(self._barrier_group)
-            self._barrier_group = None
 
 
 class DistributedTrainer(Callback):

@@ -1,7 +1,8 @@
-"""The `unison` console script: `unison launch ...` and `unison env`.
+"""The `unison` console script: `unison launch ...`, `unison check-exact ...` and `unison env`.
 
-unison launch --nproc 2 train.py     # see `unison launch --help`
-unison env                           # what this machine and environment offer a launch
+unison launch --nproc 2 train.py                 # see `unison launch --help`
+unison check-exact --nproc 2 --float64 train.py  # 1 vs 2 processes on your own script
+unison env                                       # what this machine and environment offer a launch
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import sys
 from collections.abc import Sequence
 
 _USAGE = """\
-usage: unison {launch,env} ...
+usage: unison {launch,check-exact,env} ...
 
-  launch   run a training script on several processes, GPUs or machines (unison launch --help)
-  env      show versions, backends, GPUs, rank variables, the gloo interface and threads
+  launch       run a training script on several processes, GPUs or machines (unison launch --help)
+  check-exact  run a script a few steps on 1 and on N processes and compare weights, losses and
+               metrics: float noise or a real divergence (unison check-exact --help)
+  env          show versions, backends, GPUs, rank variables, the gloo interface and threads
 """
 
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -84,13 +87,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from unison.launch.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "check-exact":
+        from unison.launch.check import main as check_main
+
+        return check_main(rest)
     if command == "env":
         if rest:
             print(f"unison env: takes no arguments, got {' '.join(rest)}", file=sys.stderr)
             return 2
         print(env_report())
         return 0
-    print(f"unison: unknown command {command!r} (use launch or env; unison --help)", file=sys.stderr)
+    print(
+        f"unison: unknown command {command!r} (use launch, check-exact or env; unison --help)",
+        file=sys.stderr,
+    )
     return 2
 
 

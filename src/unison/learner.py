@@ -45,6 +45,7 @@ from unison.callbacks.core import (
     CancelTrainException,
     CancelValidException,
 )
+from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode, NonFiniteCheck
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
@@ -181,6 +182,7 @@ class Learner:
         if default_cbs:
             self.add_cbs([self.recorder, ProgressCallback(), *check])
         self.add_cbs(cbs)
+        attach_if_checking(self)  # only under `unison check-exact`: records the first steps
 
     # ---- callbacks -------------------------------------------------------------------
     def add_cb(self, cb: Callback | type[Callback]) -> Learner:

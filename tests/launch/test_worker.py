@@ -6,11 +6,16 @@ as a real subprocess and checks what Python's own exit would have done.
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = """
 import atexit, sys, threading, time
@@ -80,3 +85,121 @@ def test_the_bootstrap_leaves_torchs_state_to_the_script(tmp_path: Path) -> None
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+POOL_SCRIPT = """
+import atexit, concurrent.futures, threading
+
+POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)  # a module global, as libraries keep them
+
+
+def double(x):  # a function of the script: its globals (POOL) live until the process ends
+    return 2 * x
+
+
+print("pool result", POOL.submit(double, 21).result(), flush=True)
+release = threading.Event()
+
+
+def waiter():
+    release.wait()
+    print("waiter released by threading's exit hook", flush=True)
+
+
+threading.Thread(target=waiter).start()  # not a daemon: only the hook below ends it
+threading._register_atexit(release.set)  # how concurrent.futures stops its pools at exit
+atexit.register(lambda: print("atexit: threads left", [t.name for t in threading.enumerate()]))
+"""
+
+
+def test_threading_exit_hooks_run_before_the_threads_are_joined(tmp_path: Path) -> None:
+    """A pool in a module global (torch.compile's inductor keeps one) no longer hangs the worker.
+
+    CPython runs `threading._register_atexit` hooks (concurrent.futures wakes and stops its
+    idle workers there), then joins the non-daemon threads, then runs `atexit`. The bootstrap
+    joined first: the pool's workers waited for work forever, and so did the worker process.
+    """
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    python = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert python.returncode == 0, python.stderr
+    expected = [
+        "pool result 42",
+        "waiter released by threading's exit hook",
+        "atexit: threads left ['MainThread']",
+    ]
+    assert python.stdout.splitlines() == expected  # what the interpreter itself does
+    worker = subprocess.run(
+        [sys.executable, "-m", "unison.launch.worker", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode == 0, worker.stderr
+    assert worker.stdout.splitlines() == expected
+
+
+COMPILED_SCRIPT = """
+import json, sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import DataLoaders, Learner
+from unison.distributed import num_distrib, rank_distrib
+
+SCALE = float(sys.argv[1])  # new in every test run: inductor compiles afresh (its pool starts)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x * SCALE)
+
+
+torch.manual_seed(0)
+x, y = torch.randn(32, 4), torch.randn(32, 1)
+model = Scaled()
+bs = 16 // num_distrib()  # global batch 16: 2 steps an epoch
+dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=bs), None)
+learn = Learner(dls, model, nn.MSELoss(), opt_func=torch.optim.SGD, lr=0.1, compile=True)
+with learn.distrib_ctx():
+    learn.fit(1)
+if rank_distrib() == 0:
+    print("WEIGHTS " + json.dumps([p.tolist() for p in model.parameters()]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_and_exits_under_launch(tmp_path: Path) -> None:
+    """torch.compile (inductor, with its compile thread pool) on 2 processes: right weights, prompt exit.
+
+    Before the fix, rank 0 printed its weights and then never exited (issue 18 item 4).
+    """
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED_SCRIPT)
+    scale = 1 + random.random()
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}  # the pool even on a 1-core machine
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script), repr(scale)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if "WEIGHTS " in ln)
+    weight, bias = (torch.tensor(v) for v in json.loads(line.split("WEIGHTS ", 1)[1]))
+    # The same training by hand, eager, one process on the global batch.
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    ref = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in (0, 16):
+        torch.nn.functional.mse_loss(ref(x[i : i + 16] * scale), y[i : i + 16]).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(weight, ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias, ref.bias.detach(), rtol=1e-5, atol=1e-6)
+    assert took < 100

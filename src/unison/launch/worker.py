@@ -16,12 +16,14 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    launcher's failure summary can show it. The file reaches torch's path whole or not at all
    (written beside it, then renamed): torch's agent reads it with `json.load` and fails on an
    empty or torn one, which cancelled a restart when a rank was stopped while writing it;
-5. ends the process as multiprocessing's children do (`end_process`): the script's threads
-   joined, `atexit` handlers run, open files flushed, then `os._exit`, skipping interpreter
-   finalization. A gloo process group still alive at finalization aborts the process when one
-   of its threads frees a finished collective's tensors (it needs the GIL, which finalization
-   no longer gives: "terminate called without an active exception", SIGABRT after correct
-   results; pytorch/pytorch#179291). Nothing a user relies on is skipped.
+5. ends the process as the interpreter does, minus finalization (`end_process`): threading's
+   own exit hooks run (they stop `concurrent.futures` pools, such as torch.compile's), the
+   script's threads are joined, `atexit` handlers run, open files are flushed, then
+   `os._exit`, skipping interpreter finalization. A gloo process group still alive at
+   finalization aborts the process when one of its threads frees a finished collective's
+   tensors (it needs the GIL, which finalization no longer gives: "terminate called without
+   an active exception", SIGABRT after correct results; pytorch/pytorch#179291). Nothing a
+   user relies on is skipped.
 
 >>> # what the agent runs for each rank:
 >>> # python -m unison.launch.worker train.py --epochs 3
@@ -190,19 +192,39 @@ def _flush_open_files() -> None:
                     obj.flush()
 
 
-def end_process(status: int) -> NoReturn:
-    """Exit with `status` the way multiprocessing's children do, without interpreter finalization.
+def shutdown_threads() -> None:
+    """Do what the interpreter does with threads at exit, before the `atexit` handlers.
 
-    In Python's own order: wait for the script's non-daemon threads, run the `atexit` handlers
-    (logging, DataLoader workers, `weakref.finalize`), flush files and the console, then
-    `os._exit`. Finalization is skipped because torch's gloo threads may still be freeing a
-    finished collective when it starts, and they abort the process then (module docstring).
+    That is `threading._shutdown`: run the hooks registered with `threading._register_atexit`
+    (newest first), then join every non-daemon thread. The hooks come first because they are
+    what ends threads that would otherwise wait forever: `concurrent.futures` registers one
+    that wakes its pools' idle workers and tells them to stop. Joining before them, as this
+    module once did, hung any worker holding a pool in a module global (torch.compile's
+    inductor keeps one) after its script had finished.
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):  # not the main thread
+        hook()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
+def end_process(status: int) -> NoReturn:
+    """Exit with `status` as the interpreter would, without interpreter finalization.
+
+    In Python's own order (`Py_FinalizeEx`): threading's exit hooks and the script's non-daemon
+    threads (`shutdown_threads`), then the `atexit` handlers (logging, DataLoader workers,
+    `weakref.finalize`), flush files and the console, then `os._exit`. Finalization is skipped
+    because torch's gloo threads may still be freeing a finished collective when it starts, and
+    they abort the process then (module docstring).
 
     >>> end_process(0)  # doctest: +SKIP
     """
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    shutdown_threads()
     atexit._run_exitfuncs()
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):

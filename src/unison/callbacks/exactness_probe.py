@@ -1,0 +1,194 @@
+"""`ExactnessProbe`: what `unison check-exact` records from a run of the user's own script.
+
+`unison check-exact` (see `unison.launch.check`) runs the script under `unison launch` with
+`UNISON_EXACT_PROBE` naming a file. Every `Learner` the script builds then gets this callback
+(`attach_if_checking`, called at the end of `Learner.__init__`), and the first `fit` of the
+process (an `lr_find` sweep does not count):
+
+- stops after `UNISON_EXACT_STEPS` optimizer steps, at a batch boundary, every rank at the same
+  step; the training phase of that epoch ends there and its validation runs as usual, so the
+  metrics are those of the weights after that many steps;
+- then writes, from rank 0, one file (`torch.save`, loadable with `weights_only=True`): the
+  model's full state (parameters and buffers; FSDP2 shards gathered), each training batch's
+  loss over all ranks, the recorded epoch rows (`train_loss, valid_loss, *metrics`), the
+  process count, the per-process batch size and a fingerprint of the weights the fit started
+  from;
+- and ends the process (`SystemExit(0)` on every rank): the rest of the script does not run.
+
+With `UNISON_EXACT_FLOAT64=1` the model is made float64 (`model.double()`) when the `Learner`
+is built, before any parallel wrapper is; every floating tensor of every batch becomes float64,
+and during the fit torch's default dtype is float64 (tensors a model makes in `forward`).
+Nothing changes when `UNISON_EXACT_PROBE` is unset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unison.callbacks.core import Callback, CancelFitException, CancelTrainException
+
+#: The file rank 0 writes; setting it turns the probe on.
+PROBE_ENV = "UNISON_EXACT_PROBE"
+#: How many optimizer steps the probed fit takes.
+STEPS_ENV = "UNISON_EXACT_STEPS"
+#: "1": train in float64.
+FLOAT64_ENV = "UNISON_EXACT_FLOAT64"
+#: Version of the file's layout.
+PROBE_FORMAT = 1
+
+# The first fit of this process is the probed one, whichever Learner runs it.
+_claimed: list[bool] = [False]
+
+
+def attach_if_checking(learn: Any) -> ExactnessProbe | None:
+    """Add an `ExactnessProbe` to `learn` when `unison check-exact` runs this script; else nothing."""
+    path = os.environ.get(PROBE_ENV)
+    if not path:
+        return None
+    raw = os.environ.get(STEPS_ENV, "")
+    steps = int(raw) if raw.isdigit() and int(raw) > 0 else 5
+    probe = ExactnessProbe(path, steps=steps, float64=os.environ.get(FLOAT64_ENV) == "1")
+    if probe.float64:
+        learn.model.double()  # before DDP/FSDP wrap it: their buffers follow the parameters' dtype
+    learn.add_cb(probe)
+    return probe
+
+
+def to_float64(obj: Any) -> Any:
+    """`obj` (a tensor or any nesting of tuples, lists and dicts) with floating tensors as float64."""
+    if isinstance(obj, Tensor):
+        return obj.double() if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(to_float64(o) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_float64(o) for o in obj)
+    if isinstance(obj, dict):
+        with contextlib.suppress(Exception):  # dict subclasses (ModelOutput, BatchEncoding) keep their class
+            return type(obj)({k: to_float64(v) for k, v in obj.items()})
+        return {k: to_float64(v) for k, v in obj.items()}
+    return obj
+
+
+def full_state(learn: Any) -> dict[str, Tensor]:
+    """The model's state dict as plain CPU tensors (FSDP2 shards gathered: every rank calls it)."""
+    out: dict[str, Tensor] = {}
+    for name, value in learn.raw_model.state_dict().items():
+        if not isinstance(value, Tensor):
+            continue
+        full = getattr(value, "full_tensor", None)
+        if callable(full):  # a DTensor (FSDP2): gather its shards
+            value = full()
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def fingerprint(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per tensor: (sum, sum of |x|, sum of x^2) in float64. Equal weights give equal bits."""
+    prints = {}
+    for name, t in state.items():
+        x = t.double()
+        prints[name] = torch.stack([x.sum(), x.abs().sum(), (x * x).sum()])
+    return prints
+
+
+class ExactnessProbe(Callback):
+    """Stop the first fit after `steps` optimizer steps and write what it reached to `path` (rank 0).
+
+    Added by the `Learner` itself when `UNISON_EXACT_PROBE` is set (module docstring); not meant
+    to be added by hand.
+    """
+
+    order = 90  # after the Recorder (50): its losses and metrics are in when this reads them
+
+    def __init__(self, path: str | Path, steps: int, float64: bool = False):
+        self.path = Path(path)
+        self.steps = steps
+        self.float64 = float64
+        self.active = False
+        self.steps_done = 0
+        self.stop = False
+        self._dtype: torch.dtype | None = None
+
+    # ---- the probed fit ---------------------------------------------------------------
+    def before_fit(self) -> None:
+        learn = self.learn
+        self.active = not _claimed[0] and learn.lr_finder is None
+        if not self.active:
+            return
+        _claimed[0] = True
+        self.steps_done, self.stop = 0, False
+        self.loss_start = len(learn.recorder.losses)
+        self.values_start = len(learn.recorder.values)
+        self.initial = fingerprint(full_state(learn))
+        if self.float64:
+            self._dtype = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)
+
+    def before_batch(self) -> None:
+        if not self.float64:
+            return
+        learn = self.learn
+        learn.xb, learn.yb = to_float64(learn.xb), to_float64(learn.yb)
+        if hasattr(learn, "_padded_xb"):  # what an empty validation share runs forward
+            learn._padded_xb = to_float64(learn._padded_xb)
+
+    def after_step(self) -> None:
+        if self.active and self.learn.training:
+            self.steps_done += 1
+            self.stop = self.steps_done >= self.steps
+
+    def after_batch(self) -> None:
+        # Here, not in after_step: the Recorder has logged this batch's loss (after_batch, order 50).
+        if self.active and self.stop and self.learn.training:
+            raise CancelTrainException  # this epoch's validation still runs: metrics at this step
+
+    def after_epoch(self) -> None:
+        if self.active and self.stop:
+            raise CancelFitException
+
+    def after_fit(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self._dtype is not None:
+            torch.set_default_dtype(self._dtype)
+        self.write()
+        raise SystemExit(0)  # the check needs nothing more from this script
+
+    # ---- the file ---------------------------------------------------------------------
+    def write(self) -> None:
+        """Write the record on rank 0 (atomically); every rank takes part in gathering the weights."""
+        learn = self.learn
+        weights = full_state(learn)
+        if not learn.collective.is_main:
+            return
+        recorder = learn.recorder
+        train = learn.dls.train
+        record = {
+            "format": PROBE_FORMAT,
+            "world_size": int(learn.collective.world_size),
+            "batch_size": getattr(train, "batch_size", None),
+            "steps": self.steps_done,
+            "requested_steps": self.steps,
+            "float64": self.float64,
+            "losses": [float(v) for v in recorder.losses[self.loss_start :]],
+            "metric_names": [str(n) for n in recorder.metric_names[1:-1]],
+            "values": [[float(v) for v in row] for row in recorder.values[self.values_start :]],
+            "initial": self.initial,
+            "weights": weights,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".partial")
+        torch.save(record, tmp)
+        os.replace(tmp, self.path)
+        print(
+            f"unison check-exact: stopped after {self.steps_done} optimizer step(s) on "
+            f"{learn.collective.world_size} process(es); recorded {self.path}",
+            flush=True,
+        )

@@ -1,0 +1,215 @@
+"""`unison check-exact`: a script's first steps on 1 and on W processes, compared.
+
+The fast tests check the option handling and the comparison on records made here. The slow
+ones run the real command (real launches, real gloo groups) on the digits example, which must
+agree to float noise, and on a script whose loss depends on the rank, which must be reported as
+diverging, naming the parameter, by the amount the gradient's arithmetic predicts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from unison.launch.check import CheckError, compare, main, preflight, scale_batch_arg, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = [sys.executable, "-m", "unison.cli", "check-exact"]
+
+# A regression whose loss on rank r has an extra PUSH * r * (sum of the output bias): with one
+# process there is no rank 1, so only the 2-process run pushes that bias.
+PUSH_SCRIPT = """
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import DataLoaders, Learner, set_seed
+from unison.distributed import num_distrib, rank_distrib
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--push", type=float, default=0.0)
+parser.add_argument("--fixed-bs", action="store_true", help="16 per process, whatever their number")
+args = parser.parse_args()
+
+set_seed(0)
+x, y = torch.randn(64, 4), torch.randn(64, 1)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def loss_func(pred, target):
+    return nn.functional.mse_loss(pred, target) + args.push * rank_distrib() * model[2].bias.sum()
+
+
+bs = 16 if args.fixed_bs else 16 // num_distrib()  # the global batch: 16
+ds = TensorDataset(x, y)
+dls = DataLoaders(DataLoader(ds, batch_size=bs), DataLoader(ds, batch_size=32))
+learn = Learner(dls, model, loss_func, opt_func=torch.optim.SGD, lr=0.1)
+with learn.distrib_ctx():
+    learn.fit(2)
+"""
+
+
+# ---- options ----------------------------------------------------------------------------------
+def test_batch_arg_divides_the_per_process_batch() -> None:
+    assert scale_batch_arg(["--bs", "64", "--epochs", "1"], "bs", 2) == ["--bs", "32", "--epochs", "1"]
+    assert scale_batch_arg(["--epochs", "1", "--bs=96"], "--bs", 3) == ["--epochs", "1", "--bs=32"]
+    with pytest.raises(CheckError, match="a batch of 10 does not split evenly over 3 processes"):
+        scale_batch_arg(["--bs", "10"], "bs", 3)
+    with pytest.raises(CheckError, match="have no --bs"):
+        scale_batch_arg(["--lr", "0.1"], "bs", 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "1", "x.py"], "--nproc must be at least 2"),
+        (["--steps", "0", "x.py"], "--steps must be at least 1"),
+        (["no_such_script.py"], "no such script: no_such_script.py"),
+    ],
+)
+def test_bad_options_are_refused_before_any_run(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "x.py").write_text("")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- the comparison -----------------------------------------------------------------------------
+def record(weights: dict[str, list[float]], losses: list[float], values: list[float]) -> dict[str, Any]:
+    """A probe record as a run writes it (float64 tensors, so the differences below are exact)."""
+    tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in weights.items()}
+    return {
+        "weights": tensors,
+        "losses": losses,
+        "metric_names": ["train_loss", "valid_loss", "accuracy"],
+        "values": [values],
+    }
+
+
+def test_compare_measures_weights_losses_and_metrics() -> None:
+    one = record({"a": [1.0, -4.0], "b": [0.5], "c": [0.0]}, [2.0, 1.5], [1.4, 1.2, 0.5])
+    many = record({"a": [1.0, -4.25], "b": [0.5], "c": [0.0]}, [2.0, 1.5 + 2**-10], [1.4, 1.2, 0.75])
+    cmp = compare(one, many)
+    assert cmp.weights[0] == ("a", 0.25, 0.25 / 4.25)  # relative to the tensor's largest entry
+    assert {name: d for name, d, _ in cmp.weights[1:]} == {"b": 0.0, "c": 0.0}
+    assert cmp.losses == [(1, 2.0, 2.0, 0.0), (2, 1.5, 1.5 + 2**-10, 2**-10)]
+    assert cmp.metrics[-1] == ("accuracy", 0.5, 0.75, 0.25)
+    assert cmp.max_rel == 0.25 / 4.25 and cmp.max_rel_metric == 0.25 / 0.75
+    status, line = verdict(cmp, None, 2, None)
+    assert status == 1 and line.startswith("DIFFERS") and "most in a." in line
+    status, line = verdict(cmp, cmp, 2, None)
+    assert status == 1 and line.startswith("DIVERGES") and line.endswith("Diverging: a")
+    same = compare(one, one)
+    assert same.max_rel == 0.0 and verdict(cmp, same, 2, None)[0] == 0
+
+
+def test_nans_compare_equal_only_to_nans() -> None:
+    one = record({"w": [math.nan, math.inf, 1.0]}, [math.nan], [1.0, 1.0, 1.0])
+    assert compare(one, one).weights[0][1] == 0.0
+    assert compare(one, one).losses[0][3] == 0.0
+    other = record({"w": [0.0, math.inf, 1.0]}, [1.0], [1.0, 1.0, 1.0])
+    assert compare(one, other).weights[0][1] == math.inf
+    assert compare(one, other).losses[0][3] == math.inf
+
+
+def test_runs_that_were_not_set_up_alike_are_refused() -> None:
+    def run(world: int, bs: int, start: float, steps: int = 3) -> dict[str, Any]:
+        prints = {"w": torch.tensor([start, abs(start), start * start], dtype=torch.float64)}
+        return {"world_size": world, "batch_size": bs, "steps": steps, "initial": prints}
+
+    preflight(run(1, 32, 0.5), run(2, 16, 0.5), 2, None)  # alike: nothing to say
+    with pytest.raises(CheckError, match="trained on 1 and 1 process"):
+        preflight(run(1, 32, 0.5), run(1, 16, 0.5), 2, None)  # no distrib_ctx in the script
+    with pytest.raises(CheckError, match="batches of 32, 2 processes on 2 x 32 = 64"):
+        preflight(run(1, 32, 0.5), run(2, 32, 0.5), 2, None)
+    with pytest.raises(CheckError, match="took 3 and 2 optimizer steps"):
+        preflight(run(1, 32, 0.5), run(2, 16, 0.5, steps=2), 2, None)
+    with pytest.raises(CheckError, match=r"started from different weights \(w\): seed the script"):
+        preflight(run(1, 32, 0.5), run(2, 16, 0.25), 2, None)
+
+
+# ---- real runs ------------------------------------------------------------------------------------
+def check_exact(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CHECK, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def reported(out: str, dtype: str) -> float:
+    """The `weights: max |dw| X` figure of the report's `dtype` section."""
+    section = out.split(f"\n{dtype}", 1)[1]
+    return float(re.search(r"weights: max \|dw\| (\S+);", section).group(1))
+
+
+def max_dw(keep: Path, dtype: str, nproc: int = 2) -> tuple[float, dict[str, float]]:
+    """Recomputed here from the two runs' records: the largest |dw| and each tensor's."""
+    one = torch.load(keep / f"1p-{dtype}.pt", weights_only=True)["weights"]
+    many = torch.load(keep / f"{nproc}p-{dtype}.pt", weights_only=True)["weights"]
+    each = {k: float((one[k].double() - many[k].double()).abs().max()) for k in one}
+    return max(each.values()), each
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_the_digits_example_is_exact_on_1_and_2_processes(tmp_path: Path) -> None:
+    """examples/train_digits.py (BatchNorm CNN, one-cycle AdamW): float32 rounding, float64 agrees."""
+    keep = tmp_path / "keep"
+    script = str(ROOT / "examples" / "train_digits.py")
+    args = ["--nproc", "2", "--steps", "3", "--float64", "--batch-arg", "bs", "--keep", str(keep)]
+    proc = check_exact([*args, script, "--bs", "64", "--epochs", "1", "--out", "out"], tmp_path, 330)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compared after 3 optimizer step(s), global batch 64" in proc.stdout
+    assert "verdict: exact to float noise: in float64, 2 processes agree with 1" in proc.stdout
+    worst32, _ = max_dw(keep, "float32")
+    worst64, _ = max_dw(keep, "float64")
+    assert 0 < worst32 < 1e-5  # float32 rounding of another summation order
+    assert worst64 < 1e-13
+    assert reported(proc.stdout, "float32") == pytest.approx(worst32, rel=1e-2)
+    assert reported(proc.stdout, "float64") == pytest.approx(worst64, rel=1e-2)
+    assert not (tmp_path / "out" / "models").exists()  # the script stopped after the probed fit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_dependent_loss_diverges_naming_the_parameter(tmp_path: Path) -> None:
+    """Rank 1 adds PUSH * sum(output bias) to its loss. After one SGD step the 2-process bias is
+    off by lr * PUSH * (rank 1's share of the global batch) = 0.1 * 0.01 * 8/16, every other
+    tensor equal: float64 shows exactly that, and the check names `2.bias`."""
+    script = tmp_path / "push.py"
+    script.write_text(PUSH_SCRIPT)
+    keep = tmp_path / "keep"
+    args = ["--nproc", "2", "--steps", "1", "--float64", "--keep", str(keep), str(script), "--push", "0.01"]
+    proc = check_exact(args, tmp_path, 270)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    expected = 0.1 * 0.01 * 8 / 16
+    _, each = max_dw(keep, "float64")
+    assert each.pop("2.bias") == pytest.approx(expected, abs=1e-15)
+    assert max(each.values()) < 1e-15
+    assert reported(proc.stdout, "float64") == pytest.approx(expected, rel=1e-2)
+    verdict_line = proc.stdout.strip().splitlines()[-1]
+    assert verdict_line.startswith("verdict: DIVERGES: in float64, 2 processes differ from 1")
+    assert verdict_line.endswith("Diverging: 2.bias")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_script_that_keeps_its_per_process_batch_is_refused(tmp_path: Path) -> None:
+    """16 per process on 1 and on 2 processes: the global batches differ (16 and 32), no verdict."""
+    script = tmp_path / "push.py"
+    script.write_text(PUSH_SCRIPT)
+    proc = check_exact(["--nproc", "2", "--steps", "1", str(script), "--fixed-bs"], tmp_path, 170)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "the global batch differs: 1 process trained on batches of 16, 2 processes on 2 x 16 = 32" in (
+        proc.stderr
+    )
+    assert "verdict" not in proc.stdout

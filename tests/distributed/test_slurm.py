@@ -109,3 +109,27 @@ def test_two_srun_tasks_without_a_launcher_train_as_one_process(tmp_path):
     (one,) = _result(_run([sys.executable, TRAIN, "--bs", "16"], base))
     assert two["weights"] == pytest.approx(one["weights"], rel=1e-6)
     assert two["valid"] == pytest.approx(one["valid"], abs=1e-6)
+
+
+def test_one_launcher_per_node_takes_the_machines_and_node_0_from_slurm(monkeypatch, tmp_path):
+    """`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py` on 2 nodes, simulated:
+    the launcher of node 1 finds 2 machines, its rank 1, and node 0's host and the job's port."""
+    from unison.launch.launcher import parse_options
+    from unison.launch.options import LaunchError
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))]:
+        monkeypatch.delenv(name)
+    step = dict(srun_env(1, world=2, per_node=1), SLURM_STEP_NUM_NODES="2", SLURM_NODEID="1")
+    step.update(SLURM_JOB_NODELIST="localhost,cn08", SLURM_STEP_NODELIST="localhost,cn08")
+    for k, v in step.items():
+        monkeypatch.setenv(k, v)
+    opts = parse_options(["--nproc-per-node", "2", str(script)])
+    assert (opts.max_nodes, opts.node_rank, opts.nproc) == (2, 1, 2)
+    assert (opts.master_addr, opts.master_port) == ("localhost", 19242)
+    given = parse_options(["--nnodes", "1", "--nproc-per-node", "2", str(script)])  # the command line wins
+    assert given.max_nodes == 1
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # --ntasks-per-node=2: two launchers per node
+    with pytest.raises(LaunchError, match="srun started 4 tasks on 2 nodes"):
+        parse_options(["--nproc-per-node", "2", str(script)])

@@ -139,3 +139,27 @@ def srun_layout(env: Mapping[str, str]) -> tuple[int, int, int, int, str, int]:
         env.get("MASTER_ADDR") or first_host(env),
         int(port) if port else job_port(env),
     )
+
+
+def launcher_layout(env: Mapping[str, str]) -> tuple[int, int, str, int] | None:
+    """`(nnodes, node_rank, master_addr, master_port)` for one `unison launch` per node started by
+    srun (`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py`); None when this
+    launcher is not an srun task. A step with more tasks than nodes is refused naming both.
+
+    >>> launcher_layout({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+    ...                  "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"})
+    (2, 1, 'n1', 15007)
+    """
+    if not is_srun_task(env):
+        return None
+    tasks = int(env["SLURM_STEP_NUM_TASKS"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or tasks)
+    if tasks != nodes:
+        raise ValueError(
+            f"srun started {tasks} tasks on {nodes} nodes, but unison launch runs one per node and "
+            "starts the processes itself: use srun --ntasks-per-node=1 (or run the script with srun "
+            "directly, without unison launch)"
+        )
+    port = env.get("MASTER_PORT")
+    addr = env.get("MASTER_ADDR") or first_host(env)
+    return nodes, int(env.get("SLURM_NODEID", "0")), addr, int(port) if port else job_port(env)

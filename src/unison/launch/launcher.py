@@ -9,6 +9,10 @@ The agent, the rendezvous, restarts and error files are torch's
 (`torch.distributed.launcher.api.launch_agent`); this module checks the options before
 anything starts, chooses the rendezvous, exports what workers need, and reports a failure
 in one summary. Each worker runs `python -m unison.launch.worker script.py args...`.
+
+Long on purpose (under 500 lines): the typed launch configuration (`LaunchOptions`) and its one
+parser must stay beside the plan they produce, so that every option and its check is read in
+one place; network, failure reports, logs and the rendezvous each live in their own module.
 """
 
 from __future__ import annotations
@@ -201,6 +205,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _slurm_defaults(a: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Under `srun --ntasks-per-node=1 unison launch ...`: the machines, this one's rank and node 0's
+    address and port come from SLURM (`unison.distributed.slurm`) unless given on the command line."""
+    from unison.distributed.slurm import launcher_layout
+
+    given = {arg.split("=")[0].replace("_", "-") for arg in argv if arg.startswith("--")}
+    if given & {"--nnodes", "--node-rank", "--master-addr", "--rdzv-endpoint", "--standalone"}:
+        return
+    try:
+        layout = launcher_layout(os.environ)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if layout is not None and layout[0] > 1:
+        nodes, a.node_rank, a.master_addr, port = layout
+        a.nnodes, a.master_port = str(nodes), a.master_port if "--master-port" in given else port
+
+
 def parse_options(argv: Sequence[str]) -> LaunchOptions:
     """Parse and check `unison launch` arguments; raise `LaunchError` (one line) on bad input.
 
@@ -212,6 +233,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     unison.launch.options.LaunchError: --nproc must be at least 1, got 0
     """
     a = _parser().parse_args(list(argv))
+    _slurm_defaults(a, argv)
     a.nproc = parse_nproc(a.nproc)
     torchrun = torchrun_choices(a)  # may move torchrun's spellings onto unison's own options
     if torchrun.entry == "script" and not os.path.isfile(a.script):

@@ -23,19 +23,25 @@ sharded loader added are trimmed from the inputs before the forward pass, so no 
 or metric, wherever it is computed, ever counts them. Every loss is read as a sum and
 a count (`unison.losses.SummedLoss`), and gradients are divided by the global count of
 the optimizer step, so W processes (and gradient accumulation) equal one process.
+
+Long on purpose (about 580 lines): this class is the public API's home (fastai's Learner
+surface: fit, validate, get_preds, save, load, the parallel and distributed contexts, ...).
+What is not the loop itself is a one-line door to the module that does the work:
+`unison.optim` (param-group LRs), `unison.checkpoint.learner_files` (save, load, resume),
+`unison.distributed.contexts` (to_distributed, distrib_ctx), `unison.predictions`,
+`unison.data.sharding`, `unison.learner_checks` and `unison.callbacks.defaults`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from unison.callbacks.core import (
     Callback,
@@ -45,32 +51,32 @@ from unison.callbacks.core import (
     CancelTrainException,
     CancelValidException,
 )
+from unison.callbacks.defaults import default_callbacks
 from unison.callbacks.exactness_probe import attach_if_checking
-from unison.callbacks.nonfinite import Mode, NonFiniteCheck
-from unison.callbacks.progress import ProgressCallback
+from unison.callbacks.nonfinite import Mode
 from unison.callbacks.recorder import Recorder
-from unison.callbacks.schedule import LRFinder, OneCycleScheduler, group_lrs, lr_find, top_lr
-from unison.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
-from unison.checkpoint.sharded import load_learner, save_learner
+from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
+from unison.checkpoint import learner_files
 from unison.data.batch import (
     DataLoaders,
     batch_size_of,
     call_model,
     split_batch,
     take_rows,
-    tensors_in,
     to_device,
 )
 from unison.data.checks import refuse_empty_train
 from unison.data.loader import DistributedDL
+from unison.data.sharding import LoaderShards
 from unison.data.stream import StreamDL, loader_length
+from unison.distributed import contexts
 from unison.distributed.collective import Collective
-from unison.distributed.env import rank_distrib
-from unison.distributed.fsdp import is_sharded
 from unison.exact_loss import ExactLoss
+from unison.learner_checks import check_devices, check_learner_args, refuse_unknown_length
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
-from unison.predictions import PredsCollector, check_per_item_loss, first_row
+from unison.optim import apply_lr, check_lr, group_lrs, make_optimizer
+from unison.predictions import PredsCollector, check_per_item_loss, predict_item
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -121,24 +127,8 @@ class Learner:
         steps_per_epoch: int | None = None,
         on_nonfinite: Mode | None = "stop",
     ):
-        if not isinstance(dls, DataLoaders):
-            raise TypeError(
-                f"Learner: dls must be a unison.DataLoaders, got {type(dls).__name__} "
-                "(wrap your loaders: DataLoaders(train_dl, valid_dl))"
-            )
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Learner: model must be a torch.nn.Module, got {type(model).__name__}")
-        if loss_func is not None and not callable(loss_func):
-            raise TypeError(
-                f"Learner: loss_func must be a callable(pred, *targets) returning the mean batch "
-                f"loss (or a SummedLoss), or None for the model's own loss, got {loss_func!r}"
-            )
-        if not callable(opt_func):
-            raise TypeError(f"Learner: opt_func must be a callable(params, lr=lr), got {opt_func!r}")
-        self._check_lr(lr)
+        check_learner_args(dls, model, loss_func, opt_func, lr, steps_per_epoch)
         self.dls = dls
-        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
-            raise ValueError(f"Learner: steps_per_epoch must be a positive int or None: {steps_per_epoch}")
         self.steps_per_epoch = steps_per_epoch
         # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
         self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
@@ -173,14 +163,12 @@ class Learner:
         self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
         self.score = True  # False in get_preds: forward passes only, no loss
         self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
-        self._sharded: dict[tuple[int, bool], tuple[DataLoader, DistributedDL | StreamDL]] = {}
+        self._shards = LoaderShards()  # each loader's sharded form, kept across epochs
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
         self.recorder = Recorder()
-        # The first non-finite loss or gradient on any rank: stop every rank (or skip the step); None: off.
-        check = [NonFiniteCheck(on_nonfinite)] if on_nonfinite is not None else []
-        if default_cbs:
-            self.add_cbs([self.recorder, ProgressCallback(), *check])
+        if default_cbs:  # recorder, progress bars, the non-finite check (callbacks/defaults.py)
+            self.add_cbs(default_callbacks(self.recorder, on_nonfinite))
         self.add_cbs(cbs)
         attach_if_checking(self)  # only under `unison check-exact`: records the first steps
 
@@ -257,10 +245,10 @@ class Learner:
         if not isinstance(n_epoch, int) or isinstance(n_epoch, bool) or n_epoch < 0:
             raise ValueError(f"fit: n_epoch must be a non-negative int, got {n_epoch!r}")
         if lr is not None:
-            self._check_lr(lr)
+            check_lr(lr)
         refuse_empty_train(self.dls.train)
         if any(isinstance(cb, OneCycleScheduler) for cb in [*self.cbs, *cbs]):
-            self._refuse_unknown_length()
+            refuse_unknown_length(self.dls.train, self.steps_per_epoch)
         with self.added_cbs(cbs):
             if self.opt is None:
                 self.create_opt()
@@ -269,7 +257,7 @@ class Learner:
             self.n_epoch = n_epoch
             self.start_epoch, self.start_iter = 0, 0
             if resume:
-                self._resume()
+                learner_files.resume(self)
             assert self.opt is not None
             self.opt.zero_grad(set_to_none=True)
             self._with_events(self._do_fit, "fit", CancelFitException)
@@ -293,21 +281,11 @@ class Learner:
         >>> learn.fit_one_cycle(5, lr_max=3e-3)
         """
         if lr_max is not None:
-            self._check_lr(lr_max)
+            check_lr(lr_max)
         schedule = OneCycleScheduler(
             lr_max or self.lr, div=div, div_final=div_final, pct_start=pct_start, moms=moms
         )
         self.fit(n_epoch, cbs=[schedule, *cbs], resume=resume)
-
-    def _refuse_unknown_length(self) -> None:
-        train = self.dls.train
-        if isinstance(getattr(train, "dataset", None), IterableDataset) and self.steps_per_epoch is None:
-            if loader_length(train) is None:
-                raise ValueError(
-                    f"fit: the one-cycle schedule needs the epoch's length, and the train stream "
-                    f"({type(train.dataset).__name__}) has no len(): give the dataset a __len__ or pass "
-                    "Learner(steps_per_epoch=...)"
-                )
 
     def lr_find(
         self, start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, stop_div: bool = True
@@ -377,7 +355,8 @@ class Learner:
 
     def _do_one_batch(self) -> None:
         if not self._devices_checked:
-            self._check_devices()
+            check_devices(self._device, (self.xb, self.yb))
+            self._devices_checked = True
         if self._empty_share and not self.training:
             # Nothing to score here, but the forward pass keeps every collective in step (a sharded
             # model gathers its weights) and gives the output's structure, with no rows.
@@ -417,48 +396,10 @@ class Learner:
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
 
-    def _check_devices(self) -> None:
-        self._devices_checked = True
-        if self._device.type == "meta":
-            raise RuntimeError(
-                "the model's parameters are on the meta device (no data): materialise it with "
-                "model.to_empty(device=...) and initialise or load its weights before training"
-            )
-        for t in tensors_in((self.xb, self.yb)):
-            if t.device != self._device:
-                raise RuntimeError(
-                    f"a batch tensor is on {t.device} but the model is on {self._device}: move the model "
-                    "or stop moving the batch (the Learner moves batches to the model's device)"
-                )
-
-    def _shard(
-        self, dl: DataLoader | DistributedDL | StreamDL, pad: bool = True
-    ) -> DataLoader | DistributedDL | StreamDL:
-        """This rank's share of `dl` for the current epoch, in the order set by `data_seed`.
-
-        Training (`pad=False`) splits the last global batch unevenly: no item twice. Evaluation
-        pads by wrapping and trims the padding from the inputs. A stream (`IterableDataset`)
-        is strided by `StreamDL` (or shards itself), every rank taking the same number of steps."""
-        if isinstance(dl, (DistributedDL, StreamDL)):
-            return dl
-        world = self.collective.world_size
-        streaming = isinstance(dl.dataset, IterableDataset)
-        if world == 1 and not streaming and dl.batch_size is None and dl.batch_sampler is None:
-            return dl  # one process, no batching: used as it is
-        key = (id(dl), pad)
-        if key not in self._sharded or self._sharded[key][0] is not dl:
-            rank = self.collective.rank
-            sharded: DistributedDL | StreamDL
-            if streaming:
-                steps = None if pad else self.steps_per_epoch  # bounds training epochs only
-                seed = self.data_seed
-                sharded = StreamDL(dl, rank, world, self.collective, steps_per_epoch=steps, seed=seed)
-            else:
-                sharded = DistributedDL(dl, rank, world, seed=self.data_seed, pad=pad)
-            self._sharded[key] = (dl, sharded)
-        sharded = self._sharded[key][1]
-        sharded.set_epoch(self.epoch)
-        return sharded
+    def _shard(self, dl: Any, pad: bool = True) -> DataLoader | DistributedDL | StreamDL:
+        """This rank's share of `dl` this epoch (`unison.data.sharding`); `pad=False` in training."""
+        shards, c = self._shards, self.collective
+        return shards.get(dl, pad, c, self.epoch, self.data_seed, self.steps_per_epoch)
 
     @property
     def data_seed(self) -> int:
@@ -468,12 +409,12 @@ class Learner:
     @data_seed.setter
     def data_seed(self, seed: int) -> None:
         self._data_seed = seed
-        self._sharded.clear()
+        self._shards.clear()
 
     def set_collective(self, collective: Collective) -> None:
         """Use `collective` for sharding and reductions (`DistributedTrainer` calls this)."""
         self.collective = collective
-        self._sharded.clear()
+        self._shards.clear()
 
     # ---- evaluation ------------------------------------------------------------------
     def validate(self, dl: DataLoader | None = None) -> list[float]:
@@ -521,17 +462,7 @@ class Learner:
         >>> learn.predict(xb, batched=True)      # a batch as a loader yields it
         """
         loader = self.dls.valid if self.dls.valid is not None else self.dls.train
-        batch = item if batched else loader.collate_fn([item])
-        xb, _ = split_batch(to_device(batch, self.device), self.n_inp)
-        model = self.raw_model
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                out = self.call_model(model, xb)
-        finally:
-            model.train(was_training)
-        return out if batched else first_row(out)
+        return predict_item(self.raw_model, loader.collate_fn, item, batched, self.n_inp, self.call_model)
 
     # ---- optimizer and state ---------------------------------------------------------
     @property
@@ -550,15 +481,9 @@ class Learner:
 
         The ratios between the groups' LRs (set by `opt_func` itself or by `lr=slice(...)`)
         are kept by `fit(lr=...)` and by every scheduler."""
-        if self.splitter is not None:
-            params: Any = [{"params": list(part)} for part in self.splitter(self.raw_model)]
-        else:
-            params = self.model.parameters()
-        top = top_lr(self.lr)
-        self.opt = self.opt_func(params, lr=top)
-        self._lr_ratios = [group["lr"] / top for group in self.opt.param_groups]
-        if not isinstance(self.lr, (int, float)):
-            self.set_lr(self.lr)
+        self.opt, self._lr_ratios = make_optimizer(
+            self.model, self.raw_model, self.opt_func, self.lr, self.splitter
+        )
         return self.opt
 
     def group_lrs(self, lr: float | slice | Sequence[float]) -> list[float]:
@@ -570,29 +495,11 @@ class Learner:
         """Set each param group's LR (see `fit`); a slice or list also sets the ratios a later float keeps."""
         self.lr = lr
         if self.opt is not None:
-            lrs = self.group_lrs(lr)
-            for group, group_lr in zip(self.opt.param_groups, lrs, strict=True):
-                group["lr"] = group_lr
-            if not isinstance(lr, (int, float)):
-                self._lr_ratios = [v / max(lrs) for v in lrs]
-
-    @staticmethod
-    def _check_lr(lr: float | slice | Sequence[float]) -> None:
-        values = (
-            [lr.start, lr.stop] if isinstance(lr, slice) else lr if isinstance(lr, (list, tuple)) else [lr]
-        )
-        for v in values:
-            if v is None and isinstance(lr, slice):
-                continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"learning rate must be a positive number, got {lr!r}")
+            self._lr_ratios = apply_lr(self.opt, lr, self._lr_ratios)
 
     def model_file(self, name: str | Path) -> Path:
         """Where `save(name)` writes: `path/model_dir/name.pth` (a path with a suffix is used as is)."""
-        name = Path(name)
-        if name.suffix:
-            return name if name.is_absolute() else self.path / self.model_dir / name
-        return self.path / self.model_dir / f"{name}.pth"
+        return learner_files.model_file(self, name)
 
     def save(self, name: str | Path, with_opt: bool = True) -> Path:
         """Write model (and optimizer) state to `path/model_dir/name.pth` atomically; rank 0 writes.
@@ -600,78 +507,29 @@ class Learner:
         >>> learn.save("stage1")
         PosixPath('models/stage1.pth')
         """
-        file = self.model_file(name)
-        if is_sharded(self.model):  # every rank writes its own shards: name.dcp
-            return save_learner(self, file, with_opt)
-        # Outside distrib_ctx the collective says rank 0 everywhere: the group or launcher decides.
-        if self.collective.is_main and rank_distrib() == 0:
-            state: dict[str, Any] = {
-                FORMAT_KEY: FORMAT_VERSION,
-                "kind": "model",
-                "model": self.raw_model.state_dict(),
-            }
-            if with_opt and self.opt is not None:
-                state["opt"] = self.opt.state_dict()
-            atomic_save(state, file)
-        self.collective.barrier()  # nobody reads the file before it is complete
-        return file
+        return learner_files.save(self, name, with_opt)
 
     def load(self, name: str | Path, with_opt: bool = True, strict: bool = True) -> Learner:
         """Load what `save` wrote, mapped to this process's device; checked before anything changes."""
-        file = self.model_file(name)
-        if load_learner(self, file, with_opt):  # a sharded save, or a sharded learner
-            return self
-        state = safe_load(file, map_location=self.device, kind="model")
-        if strict:
-            check_state_fits(self.raw_model, state["model"], file)
-        self.raw_model.load_state_dict(state["model"], strict=strict)
-        if with_opt and "opt" in state:
-            if self.opt is None:
-                self.create_opt()
-            assert self.opt is not None
-            self.opt.load_state_dict(state["opt"])
+        learner_files.load(self, name, with_opt, strict)
         return self
-
-    def _resume(self) -> None:
-        from unison.checkpoint.callback import Checkpoint
-
-        ckpt = self.get_cb(Checkpoint)
-        if not isinstance(ckpt, Checkpoint):
-            raise ValueError(
-                "fit(resume=True) needs a Checkpoint callback (cbs=[Checkpoint()]) that says "
-                "where checkpoints are"
-            )
-        ckpt.restore_latest()  # no checkpoint yet: start fresh
 
     def snapshot(self) -> dict[str, Any]:
         """Deep copies of the model and optimizer state, for `restore` (kept in memory)."""
-        return {
-            "model": copy.deepcopy(self.raw_model.state_dict()),
-            "opt": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
-        }
+        return learner_files.snapshot(self)
 
     def restore(self, snap: dict[str, Any]) -> None:
-        self.raw_model.load_state_dict(snap["model"])
-        if snap["opt"] is not None and self.opt is not None:
-            self.opt.load_state_dict(snap["opt"])
+        learner_files.restore(self, snap)
 
-    # ---- parallel and distributed ----------------------------------------------------
+    # ---- parallel and distributed (unison.distributed.contexts) ------------------------
     def to_parallel(self, device_ids: Sequence[int] | None = None) -> Learner:
         """Train with single-process `DataParallel` over `device_ids` (all GPUs by default)."""
-        from unison.distributed.trainer import ParallelTrainer
-
-        trainer = ParallelTrainer(device_ids)
-        self.add_cb(trainer)
-        trainer.setup()
+        contexts.to_parallel(self, device_ids)
         return self
 
     def detach_parallel(self) -> Learner:
         """Undo `to_parallel`: the model is unwrapped again."""
-        from unison.distributed.trainer import ParallelTrainer
-
-        for cb in [c for c in self.cbs if isinstance(c, ParallelTrainer)]:
-            cb.restore()
-            self.remove_cb(cb)
+        contexts.detach_parallel(self)
         return self
 
     @contextlib.contextmanager
@@ -700,27 +558,12 @@ class Learner:
 
         >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
         """
-        from unison.distributed.sharded import ShardedTrainer
-        from unison.distributed.trainer import DistributedTrainer
-
-        kind = ShardedTrainer if shard else DistributedTrainer
-        trainer = kind(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
-        self.add_cb(trainer)
-        try:
-            trainer.setup()
-        except BaseException:
-            self.remove_cb(trainer)
-            raise
+        contexts.to_distributed(self, cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
         return self
 
     def detach_distributed(self) -> Learner:
         """Undo `to_distributed`: model, BatchNorm, loaders and logging as they were."""
-        from unison.distributed.sharded import ShardedTrainer
-        from unison.distributed.trainer import DistributedTrainer
-
-        for cb in [c for c in self.cbs if isinstance(c, (DistributedTrainer, ShardedTrainer))]:
-            cb.restore()
-            self.remove_cb(cb)
+        contexts.detach_distributed(self)
         return self
 
     @contextlib.contextmanager
@@ -734,28 +577,16 @@ class Learner:
         **ddp_kwargs: Any,
     ) -> Iterator[Learner]:
         """`to_distributed` for the duration of a `with` block; a plain run outside a launch.
+        A collective that failed because another rank stopped raises `RankStalledError` naming it.
 
         >>> with learn.distrib_ctx():          # or distrib_ctx(shard=True): FSDP2
         ...     learn.fit(3)
         """
-        from unison.distributed.sharded import ShardedTrainer
-        from unison.distributed.trainer import DistributedTrainer
-
-        self.to_distributed(
-            cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, shard=shard, **ddp_kwargs
-        )
+        self.to_distributed(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
         try:
             yield self
         except Exception as exc:
-            # A collective that failed because another rank stopped: say which one. (Only a
-            # RuntimeError can be one: this rank's own ValueError/TypeError is its own cause.)
-            trainer = self.get_cb(ShardedTrainer) if shard else self.get_cb(DistributedTrainer)
-            failed_collective = isinstance(trainer, (DistributedTrainer, ShardedTrainer)) and isinstance(
-                exc, RuntimeError
-            )
-            stalled = trainer.diagnose() if failed_collective else None
-            if stalled is not None:
-                raise stalled from exc
+            contexts.name_stalled_rank(self, exc)
             raise
         finally:
             self.detach_distributed()

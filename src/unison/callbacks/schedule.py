@@ -16,44 +16,10 @@ import torch
 
 from unison.callbacks.core import Callback, CancelFitException, CancelValidException
 from unison.data.stream import loader_length
+from unison.optim import top_lr
 
 if TYPE_CHECKING:
     from unison.callbacks.learner_view import LearnerView
-
-
-def top_lr(lr: float | slice | Sequence[float]) -> float:
-    """The largest LR that `lr` names (a slice's stop, a list's maximum)."""
-    if isinstance(lr, slice):
-        return float(lr.stop)
-    if isinstance(lr, (list, tuple)):
-        return float(max(lr))
-    return float(lr)
-
-
-def group_lrs(
-    lr: float | slice | Sequence[float], n_groups: int, ratios: Sequence[float] = ()
-) -> list[float]:
-    """One LR per param group for `lr`.
-
-    >>> group_lrs(slice(1e-4, 1e-2), 3)
-    [0.0001, 0.001, 0.01]
-    >>> group_lrs(1e-2, 2, ratios=[0.1, 1.0])
-    [0.001, 0.01]
-    """
-    if isinstance(lr, slice):
-        hi = float(lr.stop)
-        if lr.start is None:  # fastai: the last group at hi, the others at hi / 10
-            return [hi / 10] * (n_groups - 1) + [hi]
-        lo = float(lr.start)
-        if n_groups == 1:
-            return [hi]
-        return [lo * (hi / lo) ** (i / (n_groups - 1)) for i in range(n_groups)]
-    if isinstance(lr, (list, tuple)):
-        if len(lr) != n_groups:
-            raise ValueError(f"{len(lr)} learning rates given for {n_groups} param groups")
-        return [float(v) for v in lr]
-    ratios = list(ratios) if len(ratios) == n_groups else [1.0] * n_groups
-    return [float(lr) * r for r in ratios]
 
 
 def cosine(start: float, end: float, pct: float) -> float:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         TensorBoardLogger,
         TrackerCallback,
     )
+    from unison.callbacks.nonfinite import NonFiniteCheck, NonFiniteError, NonFiniteWarning
     from unison.checkpoint.errors import CheckpointError
     from unison.data import DataLoaders, to_device
     from unison.launch.spawn import SpawnError, mp_spawn, spawn
@@ -86,6 +87,9 @@ _EXPORTS = {
     "spawn": "unison.launch.spawn",
     "Learner": "unison.learner",
     "SummedLoss": "unison.losses",
+    "NonFiniteCheck": "unison.callbacks.nonfinite",
+    "NonFiniteError": "unison.callbacks.nonfinite",
+    "NonFiniteWarning": "unison.callbacks.nonfinite",
     "TokenCrossEntropy": "unison.losses",
     "AccumMetric": "unison.metrics",
     "AvgMetric": "unison.metrics",
@@ -129,6 +133,9 @@ __all__ = [
     "Recorder",
     "SaveModelCallback",
     "SpawnError",
+    "NonFiniteCheck",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "SummedLoss",
     "TensorBoardLogger",
     "TokenCrossEntropy",

@@ -1,0 +1,102 @@
+"""The layout shows the architecture: no import circle in src/unison (type-only imports count too),
+and no module over ~450 lines without a reason stated in its docstring."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "unison"
+MAX_LINES = 450
+#: Modules allowed past MAX_LINES: each says why in its own docstring (checked below).
+LONG_ON_PURPOSE = {
+    "unison.learner",
+    "unison.launch.launcher",
+    "unison.launch.check",
+    "unison.callbacks.nonfinite",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The unison modules `path` imports anywhere (module level, functions, TYPE_CHECKING blocks)."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(n for n in names if n in modules and n != here)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    return {name: imports(path, modules) for name, path in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_src_unison_has_no_import_circle():
+    assert circles(import_graph()) == []
+
+
+def test_modules_stay_small_or_say_why():
+    too_long = {}
+    for path in PACKAGE.rglob("*.py"):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            too_long[module_name(path)] = lines
+    unexplained = sorted(set(too_long) - LONG_ON_PURPOSE)
+    assert not unexplained, f"over {MAX_LINES} lines, not in LONG_ON_PURPOSE: {unexplained} ({too_long})"
+    for name in sorted(set(too_long) & LONG_ON_PURPOSE):
+        path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "Long on purpose" in docstring, f"{name} ({too_long[name]} lines) does not say why it is long"

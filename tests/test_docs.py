@@ -30,10 +30,6 @@ BLOCK_TIMEOUT_S = 300
 #: training), which cannot carry their `<!-- not-run -->` line yet: by their first line.
 UNMARKED_FRAGMENTS = {
     "class ShardFiles(IterableDataset):": "a part of examples/stream_digits.py, which tests/data runs",
-    "learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])": "a fragment: dls, model are yours",
-    "learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=[accuracy], cbs=[Checkpoint(every=10)])": (
-        "a part of examples/train_sharded.py, which tests/distributed/test_sharded.py runs"
-    ),
 }
 
 split_spec = importlib.util.spec_from_file_location("split_readme", DOCS / "split_readme.py")

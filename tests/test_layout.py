@@ -7,13 +7,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "unison"
 MAX_LINES = 450
-#: Modules allowed past MAX_LINES: each says why in its own docstring (checked below).
-LONG_ON_PURPOSE = {
-    "unison.learner",
-    "unison.launch.launcher",
-    "unison.launch.check",
-    "unison.callbacks.nonfinite",
-}
+#: Modules allowed past MAX_LINES: each says why in its docstring, "Long on purpose: ..." (checked below).
+LONG_ON_PURPOSE = {"unison.learner", "unison.launch.launcher", "unison.data.stream"}
 
 
 def module_name(path: Path) -> str:
@@ -96,6 +91,10 @@ def test_modules_stay_small_or_say_why():
             too_long[module_name(path)] = lines
     unexplained = sorted(set(too_long) - LONG_ON_PURPOSE)
     assert not unexplained, f"over {MAX_LINES} lines, not in LONG_ON_PURPOSE: {unexplained} ({too_long})"
+    for name in sorted(set(too_long) & LONG_ON_PURPOSE):
+        path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "Long on purpose" in docstring, f"{name} ({too_long[name]} lines) does not say why it is long"
     for name in sorted(set(too_long) & LONG_ON_PURPOSE):
         path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
         docstring = ast.get_docstring(ast.parse(path.read_text())) or ""

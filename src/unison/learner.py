@@ -68,7 +68,7 @@ from unison.data.batch import (
 from unison.data.checks import refuse_empty_train
 from unison.data.loader import DistributedDL
 from unison.data.sharding import LoaderShards
-from unison.data.stream import StreamDL, loader_length
+from unison.data.stream import StreamDL, check_stream_split, loader_length
 from unison.distributed import contexts
 from unison.distributed.collective import Collective
 from unison.exact_loss import ExactLoss
@@ -105,7 +105,8 @@ class Learner:
     `loss_func=None` uses the model's own loss; `splitter` makes param groups;
     `call_model(model, xb)` is how inputs reach the model; `compile=True` (or a dict of
     `torch.compile` options) compiles the model. `steps_per_epoch` bounds a training epoch
-    over a stream (an `IterableDataset`) and gives its length when the dataset has no `len()`.
+    over a stream (an `IterableDataset`) and gives its length when the dataset has no `len()`;
+    `stream_split="by_node"` lets a Hugging Face stream read 1/W of itself per rank (not exact).
     """
 
     def __init__(
@@ -125,11 +126,13 @@ class Learner:
         call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = call_model,
         compile: bool | dict[str, Any] = False,
         steps_per_epoch: int | None = None,
+        stream_split: str = "exact",
         on_nonfinite: Mode | None = "stop",
     ):
         check_learner_args(dls, model, loss_func, opt_func, lr, steps_per_epoch)
         self.dls = dls
         self.steps_per_epoch = steps_per_epoch
+        self.stream_split = check_stream_split(stream_split)
         # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
         self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
         self.loss_func = loss_func
@@ -399,7 +402,7 @@ class Learner:
     def _shard(self, dl: Any, pad: bool = True) -> DataLoader | DistributedDL | StreamDL:
         """This rank's share of `dl` this epoch (`unison.data.sharding`); `pad=False` in training."""
         shards, c = self._shards, self.collective
-        return shards.get(dl, pad, c, self.epoch, self.data_seed, self.steps_per_epoch)
+        return shards.get(dl, pad, c, self.epoch, self.data_seed, self.steps_per_epoch, self.stream_split)
 
     @property
     def data_seed(self) -> int:

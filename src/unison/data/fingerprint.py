@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-__all__ = ["dataset_fingerprint", "fingerprint_positions"]
+__all__ = ["dataset_fingerprint", "fingerprint_positions", "item_print"]
 
 _MAX_VALUES = 1 << 16  # values hashed per tensor, at most: the check must stay cheap
 
@@ -60,6 +60,17 @@ def dataset_fingerprint(dataset: Any, samples: int = 5) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def item_print(item: Any) -> int:
+    """A 32-bit digest of one item's values, the same in every process for equal items.
+
+    >>> item_print((torch.tensor([1.0]), 3)) == item_print((torch.tensor([1.0]), 3))
+    True
+    """
+    digest = hashlib.blake2b(digest_size=4)
+    _feed(digest, item)
+    return int.from_bytes(digest.digest(), "little")
+
+
 def _feed(digest: Any, item: Any) -> None:
     """Hash `item`'s values (tensors and arrays by their bytes, containers item by item)."""
     if isinstance(item, torch.Tensor):
@@ -81,6 +92,10 @@ def _feed(digest: Any, item: Any) -> None:
         digest.update(f"S{len(item)}".encode())
         for part in item:
             _feed(digest, part)
+    elif isinstance(item, (set, frozenset)):  # by sorted member digests: set order varies per process
+        digest.update(f"U{len(item)}".encode())
+        for part in sorted(_member_digest(member) for member in item):
+            digest.update(part)
     elif isinstance(item, (str, bytes, int, float, bool, type(None))):
         digest.update(repr(item).encode())
     else:  # images and other objects: by their pickled state (never by id, which differs per process)
@@ -90,9 +105,15 @@ def _feed(digest: Any, item: Any) -> None:
             digest.update(type(item).__qualname__.encode())
 
 
+def _member_digest(item: Any) -> bytes:
+    digest = hashlib.blake2b(digest_size=8)
+    _feed(digest, item)
+    return digest.digest()
+
+
 @contextlib.contextmanager
-def _fixed_rng() -> Iterator[None]:
-    """Seed Python, NumPy and torch (CPU) with 0 for the block; put their states back afterwards."""
+def _fixed_rng(seed: int = 0) -> Iterator[None]:
+    """Seed Python, NumPy and torch (CPU) with `seed` for the block; put their states back afterwards."""
     py_state = random.getstate()
     np_random: Any = None
     with contextlib.suppress(ImportError):
@@ -101,10 +122,10 @@ def _fixed_rng() -> Iterator[None]:
         np_random = numpy.random
     np_state = np_random.get_state() if np_random is not None else None
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        random.seed(0)
+        torch.manual_seed(seed)
+        random.seed(seed)
         if np_random is not None:
-            np_random.seed(0)
+            np_random.seed(seed % 2**32)
         try:
             yield
         finally:

@@ -33,6 +33,7 @@ class LoaderShards:
         epoch: int,
         seed: int,
         steps_per_epoch: int | None = None,
+        split: str = "exact",
     ) -> DataLoader | DistributedDL | StreamDL:
         """This rank's share of `dl` for `epoch`, in the order set by `seed`.
 
@@ -50,7 +51,7 @@ class LoaderShards:
             sharded: DistributedDL | StreamDL
             if streaming:
                 steps = None if pad else steps_per_epoch  # bounds training epochs only
-                sharded = StreamDL(dl, collective.rank, world, collective, steps, seed=seed)
+                sharded = StreamDL(dl, collective.rank, world, collective, steps, seed=seed, split=split)
             else:
                 sharded = DistributedDL(dl, collective.rank, world, seed=seed, pad=pad)
             self._cache[key] = (dl, sharded)

@@ -11,12 +11,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.test_workloads import (
-    VOCAB,
     TokenDataset,
     max_diff,
     quiet,
     tiny_bert,
     tiny_gpt2,
+    token_loop,
     true_valid_loss,
     weights,
 )
@@ -59,19 +59,7 @@ def lm_learner(kind, bs, n_train=37, n_valid=21):
 
 def plain_lm_loop(kind, bs):
     """One epoch by hand: each step's loss the mean over that batch's scored (shifted) tokens."""
-    learn = lm_learner(kind, bs)
-    model, ds = learn.model, learn.dls.train.dataset
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    order = learn._shard(learn.dls.train, pad=False).global_order(0)
-    for start in range(0, len(order), bs):
-        items = [ds[i] for i in order[start : start + bs]]
-        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
+    return token_loop(lm_learner(kind, bs), bs)
 
 
 @pytest.mark.parametrize("kind", ["wrapper", "subclass", "compiled"])

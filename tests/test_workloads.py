@@ -166,7 +166,12 @@ def test_transformers_model_trains_and_validates_on_two_processes_as_on_one(
 
 def plain_token_loop(bs, n_train=37, lr=1e-3):
     """One epoch of a causal LM by hand: each step's loss is the mean over that batch's scored tokens."""
-    learn = hf_learner("lm", bs, n_train=n_train, lr=lr)  # same init and same data order
+    return token_loop(hf_learner("lm", bs, n_train=n_train, lr=lr), bs, lr)  # same init and data order
+
+
+def token_loop(learn, bs, lr=1e-3):
+    """One epoch by hand over `learn`'s model and data order, AdamW, each step's loss the mean over
+    that batch's scored (shifted) tokens; returns the weights under their plain keys."""
     model, ds = learn.model, learn.dls.train.dataset
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     order = learn._shard(learn.dls.train, pad=False).global_order(0)
@@ -179,7 +184,7 @@ def plain_token_loop(bs, n_train=37, lr=1e-3):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
 
 
 @pytest.mark.parametrize("loss_name", ["own", "token"])

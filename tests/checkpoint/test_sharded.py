@@ -1,7 +1,5 @@
 """Sharded checkpoints (torch.distributed.checkpoint): bit-exact resume, resharding, atomic saves."""
 
-import contextlib
-import io
 import os
 import signal
 import subprocess
@@ -15,12 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.checkpoint.test_callback import Stop, StopAt  # the same stand-in for a crash
+# The same stand-in for a crash, the same fit (two one-cycle epochs) and weight snapshot.
+from tests.checkpoint.test_callback import Stop, StopAt, _fit, _weights
 from unison import Checkpoint, CheckpointError, DataLoaders, Learner, set_seed
 from unison.checkpoint.sharded import export_state_dict, read_meta, save_sharded, sharded_path
 from unison.distributed import Collective
 
-N_TRAIN, EPOCHS = 96, 2
+N_TRAIN = 96
 SAVER = Path(__file__).parent.parent / "fault_scripts" / "sharded_saver.py"
 
 
@@ -37,15 +36,6 @@ def _learner(path, bs, init_seed=0):
     learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=path, cbs=[Checkpoint(every=1)])
     learn.data_seed = 1234
     return learn
-
-
-def _fit(learn, cbs=(), resume=False):
-    with contextlib.redirect_stdout(io.StringIO()):
-        learn.fit_one_cycle(EPOCHS, lr_max=1e-2, cbs=cbs, resume=resume)
-
-
-def _weights(learn):
-    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
 
 
 def _max_diff(a, b):

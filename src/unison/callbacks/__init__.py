@@ -16,7 +16,6 @@ from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.training import GradientAccumulation, GradientClip
-from unison.checkpoint.callback import Checkpoint
 
 __all__ = [
     "CSVLogger",
@@ -41,3 +40,13 @@ __all__ = [
     "SaveModelCallback",
     "TrackerCallback",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`Checkpoint` on first use: its module imports `unison.callbacks.core`, so an eager import here
+    made `import unison.checkpoint.callback` fail when it came first (as unpickling does it)."""
+    if name == "Checkpoint":
+        from unison.checkpoint.callback import Checkpoint
+
+        return Checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,7 @@
 """Callbacks: one concern each, run by the `Learner` at its named events."""
 
+from typing import TYPE_CHECKING
+
 from unison.callbacks.core import (
     EVENTS,
     Callback,
@@ -16,6 +18,9 @@ from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.training import GradientAccumulation, GradientClip
+
+if TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use below
+    from unison.checkpoint.callback import Checkpoint
 
 __all__ = [
     "CSVLogger",

@@ -229,6 +229,42 @@ def test_an_elastic_pod_replaced_mid_run_ends_on_the_uninterrupted_weights(
     assert leftovers(str(tmp_path)) == []
 
 
+@pytest.mark.slow
+def test_a_v1_pod_lost_then_both_restarted_on_failure_end_on_the_uninterrupted_weights(
+    machines: Machines, uninterrupted: str, tmp_path: Path
+) -> None:
+    """A PyTorchJob (v1, static) with `restartPolicy: OnFailure`: after step 5 the Worker's pod dies
+    whole; the Master's workers fail on the lost peer and its launcher ends non-zero, so Kubernetes
+    restarts both containers, in the same namespaces with the same variables (the Master's port
+    again). The restarted job resumes from the checkpoint to the uninterrupted weights."""
+    env = [pod_v1(i, machines.addrs[0], 29000 + free_port() % 1000) for i in (0, 1)]
+    env[1]["MASTER_PORT"] = env[0]["MASTER_PORT"]
+    script = ["--cue-rank", "0", "--at", "5", "--cue", "hold"]
+
+    def pod(i: int) -> Job:
+        return Job(tmp_path, script_args=script, nproc=None, prefix=machines.cmd(i, []), env=env[i])
+
+    first = [pod(0), pod(1)]
+    first[0].cue()
+    lost = psutil.Process(first[1].proc.pid)
+    for proc in [*lost.children(recursive=True), lost]:
+        proc.send_signal(signal.SIGKILL)
+    first[1].finish(limit=30)
+    (tmp_path / "go").touch()
+    first[0].finish(limit=60)
+    assert first[0].rc not in (0, None), first[0].err[-3000:]
+    assert "unison launch: rank" in first[0].err, first[0].err[-3000:]  # the summary names a rank
+    again = [pod(0), pod(1)]
+    for job in again:
+        job.finish(limit=150)
+    for job in again:
+        assert job.rc == 0, job.err[-3000:]
+    assert weights(again[0].out + again[1].out) == {uninterrupted}
+    steps = re.findall(r"STEPS rank(\d) (\d+)", again[0].out + again[1].out)
+    assert sorted(rank for rank, _ in steps) == ["0", "1"] and {n for _, n in steps} in ({"3"}, {"4"}), steps
+    assert leftovers(str(tmp_path)) == []
+
+
 def test_the_manifests_run_unison_launch_with_no_option() -> None:
     """The shipped manifests' containers run `unison launch SCRIPT`, nothing between."""
     for name in ("pytorchjob.yaml", "pytorchjob-elastic.yaml", "trainjob.yaml"):

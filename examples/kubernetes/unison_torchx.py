@@ -19,9 +19,16 @@ Kubernetes with Volcano). `launch_command` builds that line without TorchX (the 
 network namespaces); `ddp` wraps it in TorchX's `AppDef` and needs `pip install torchx`.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchX reads the component's annotations as types.
 import shlex
+
+try:
+    from torchx import specs
+except ImportError:  # launch_command needs no TorchX (the tests use it); ddp() does
+
+    class specs:  # noqa: N801  (a stand-in, so that the annotation `specs.AppDef` below still reads)
+        AppDef = None
+
 
 RDZV_PORT = 29500  # TorchX dist.ddp's rendezvous port
 
@@ -78,7 +85,7 @@ def ddp(
     memMB: int = 4096,  # noqa: N803  (TorchX's spelling)
     gpu: int = 0,
     name: str = "unison-train",
-):
+) -> specs.AppDef:
     """TorchX component: `j` replicas (NNODES, or MIN:MAX for an elastic job) of `unison launch script`.
 
     Args:
@@ -92,8 +99,8 @@ def ddp(
         gpu: GPUs per replica
         name: the job's name
     """
-    from torchx import specs
-
+    if specs.AppDef is None:
+        raise ImportError("the TorchX component needs TorchX: pip install torchx")
     nnodes, _ = parse_j(j)
     replicas = int(nnodes.split(":")[-1])
     line = launch_command(

@@ -1,6 +1,6 @@
 """The unison training script, run by Ray Train: `TorchTrainer` starts the workers and their process group.
 
-    python examples/ray/train_ray.py --workers 2 --storage /shared/ray-runs --name digits
+    python examples/ray/train_ray.py --workers 2 --storage /shared/ray-runs --name tiny
     python examples/ray/train_ray.py --address auto ...      # on a running Ray cluster
 
 Each Ray worker runs `train_loop_per_worker`, the same script shape as `examples/train_digits.py`:
@@ -146,5 +146,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     ray.init(address=args.address, include_dashboard=False)
     result = fit_with_ray(args.workers, args.storage, args.name, epochs=args.epochs, bs=args.bs)
-    print(result.metrics)
+    print({k: v for k, v in result.metrics.items() if k != "params"})
     print(f"checkpoint: {result.checkpoint}")

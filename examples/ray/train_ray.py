@@ -24,6 +24,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Callback, Checkpoint, DataLoaders, Learner, accuracy, set_seed
 from unison.distributed import num_distrib, rank_distrib
+
+if TYPE_CHECKING:
+    from ray.train import Result
 
 
 def make_data(n_train: int = 128, n_valid: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +118,7 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report(metrics)
 
 
-def fit_with_ray(
-    workers: int, storage: str, name: str, max_failures: int = 1, **config
-) -> ray.train.Result:  # noqa: F821
+def fit_with_ray(workers: int, storage: str, name: str, max_failures: int = 1, **config) -> Result:
     """Run `train_loop_per_worker` on `workers` Ray workers (CPU, gloo); return Ray's result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from tests.launch.test_cluster_faults import Job, leftovers, uninterrupted, weights  # noqa: F401  (fixtures)
-from tests.launch.test_launch import LAUNCH, ROOT, finish, free_port, start, tagged
+from tests.launch.test_launch import LAUNCH, PY, ROOT, finish, free_port, start, tagged
 from tests.launch.test_multinode import (  # noqa: F401  (fixtures)
     TRAIN,
     Machines,
@@ -41,6 +41,14 @@ unison_torchx = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(unison_torchx)
 
 NODE_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """W=1: the same script as one plain process at the global batch (2 x 8)."""
+    rc, out, err, _ = finish(start([PY, TRAIN, "--bs", "16"], unset=NODE_VARS))
+    assert rc == 0, err[-3000:]
+    return result(out)
 
 
 def unset(env: dict[str, str]) -> tuple[str, ...]:
@@ -151,7 +159,7 @@ def nodes_env(kind: str, machines: Machines, port: int) -> list[dict[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pytorchjob-v1", "pytorchjob-v1-nproc", "trainjob-v2", "elastic-1:2"])
 def test_each_operators_pods_train_as_one_machine(
-    kind: str, machines: Machines, single_machine: dict
+    kind: str, machines: Machines, single_machine: dict, one_process: dict
 ) -> None:
     """`unison launch train.py` and nothing else in each pod; v1-nproc runs 2 processes a pod at half
     the batch (4 x 4 = 2 x 8), so a WORLD_SIZE read as pods would be 4 machines and never start."""
@@ -165,6 +173,7 @@ def test_each_operators_pods_train_as_one_machine(
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert_same_training(result(out0 + out1), single_machine)
+    assert_same_training(result(out0 + out1), one_process)  # W > 1 equals W = 1
     info = tagged(err0 + err1, "RANKINFO")
     world = 4 if kind == "pytorchjob-v1-nproc" else 2
     assert sorted(int(i["RANK"]) for i in info) == list(range(world))
@@ -173,7 +182,9 @@ def test_each_operators_pods_train_as_one_machine(
 
 
 @pytest.mark.slow
-def test_the_torchx_components_command_on_two_machines(machines: Machines, single_machine: dict) -> None:
+def test_the_torchx_components_command_on_two_machines(
+    machines: Machines, single_machine: dict, one_process: dict
+) -> None:
     """The component's own shell line, run by bash in each namespace with the rank-0 host variable set
     as a scheduler sets it (TorchX itself is not installed here: its urllib3 pin clashes with ray's)."""
     port = 29000 + free_port() % 1000
@@ -185,6 +196,7 @@ def test_the_torchx_components_command_on_two_machines(machines: Machines, singl
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert_same_training(result(out0 + out1), single_machine)
+    assert_same_training(result(out0 + out1), one_process)
     assert f"elastic job 'app-1' at {machines.addrs[0]}:{port}" in err0
 
 

@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[examples,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[examples,test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

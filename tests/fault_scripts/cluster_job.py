@@ -14,7 +14,8 @@ then renamed), once per job (never again after a restart), and then, by `--cue`:
          network link meanwhile, and lets several jobs run into the cut at once
 `--step-s` sleeps that long each step, so that a job lasts long enough for the test to act.
 `--plain` trains as a torchrun script does (its own gloo group and DDP, no unison Learner).
-Every rank prints `WEIGHTS rank<R> <sha256 of its final weights>` at the end.
+Every rank prints `WEIGHTS rank<R> <sha256 of its final weights>` at the end, and `STEPS rank<R> <n>`:
+the training steps of its last attempt (8 for a whole run of 2 epochs; fewer for a resumed one).
 """
 
 import argparse
@@ -131,8 +132,10 @@ dls = DataLoaders(
     DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8, shuffle=True, num_workers=args.loader_workers),
     DataLoader(TensorDataset(x[64:], y[64:]), batch_size=8),
 )
-learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), Cue()])
+cue = Cue()
+learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), cue])
 learn.recorder.print_table = False
 with learn.distrib_ctx():
     learn.fit_one_cycle(args.epochs, resume=True)
 print(f"WEIGHTS rank{rank_distrib()} {digest(learn.raw_model)}", flush=True)
+print(f"STEPS rank{rank_distrib()} {cue.steps}", flush=True)  # trained by this attempt (resumed: fewer)

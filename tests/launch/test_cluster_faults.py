@@ -41,14 +41,15 @@ WAIT_S = 150  # bound on any one launch
 class Job:
     """One `unison launch` of cluster_job.py writing into `folder` (its path marks every process of it)."""
 
-    def __init__(self, folder: Path, *launch_args: str, script_args=(), nproc=1, prefix=(), stdout=True):
+    def __init__(
+        self, folder: Path, *launch_args: str, script_args=(), nproc=1, prefix=(), stdout=True, env=None
+    ):  # nproc None: no --nproc (the environment says it); env: more variables
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         cmd = [
             *prefix,
             *LAUNCH,
-            "--nproc",
-            str(nproc),
+            *(["--nproc", str(nproc)] if nproc is not None else []),
             *launch_args,
             SCRIPT,
             "--dir",
@@ -57,7 +58,7 @@ class Job:
         ]
         pipe = subprocess.PIPE
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=ENV, stdout=pipe if stdout else None, stderr=pipe, text=True
+            cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=pipe if stdout else None, stderr=pipe, text=True
         )
         self.started = time.monotonic()
         self.out = self.err = ""

@@ -1,5 +1,7 @@
 """Callbacks: one concern each, run by the `Learner` at its named events."""
 
+from typing import TYPE_CHECKING
+
 from unison.callbacks.core import (
     EVENTS,
     Callback,
@@ -16,7 +18,9 @@ from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.training import GradientAccumulation, GradientClip
-from unison.checkpoint.callback import Checkpoint
+
+if TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use below
+    from unison.checkpoint.callback import Checkpoint
 
 __all__ = [
     "CSVLogger",
@@ -41,3 +45,13 @@ __all__ = [
     "SaveModelCallback",
     "TrackerCallback",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`Checkpoint` on first use: its module imports `unison.callbacks.core`, so an eager import here
+    made `import unison.checkpoint.callback` fail when it came first (as unpickling does it)."""
+    if name == "Checkpoint":
+        from unison.checkpoint.callback import Checkpoint
+
+        return Checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -206,15 +206,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _slurm_defaults(a: argparse.Namespace, argv: Sequence[str]) -> None:
-    """Under `srun --ntasks-per-node=1 unison launch ...`: the machines, this one's rank and node 0's
-    address and port come from SLURM (`unison.distributed.slurm`) unless given on the command line."""
-    from unison.distributed.slurm import launcher_layout
+    """Under `srun --ntasks-per-node=1 unison launch ...` or in a PyTorchJob's pod: the machines, this
+    one's rank and node 0's address and port come from SLURM or the pod (`launch.kubernetes.node_layout`)."""
+    from unison.launch.kubernetes import node_layout
 
     given = {arg.split("=")[0].replace("_", "-") for arg in argv if arg.startswith("--")}
     if given & {"--nnodes", "--node-rank", "--master-addr", "--rdzv-endpoint", "--standalone"}:
         return
     try:
-        layout = launcher_layout(os.environ)
+        layout = node_layout(os.environ)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     if layout is not None and layout[0] > 1:

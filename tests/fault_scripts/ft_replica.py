@@ -1,0 +1,80 @@
+"""One torchft replica of a tiny training run (fault-tolerance tests and benchmarks/fault_tolerant.py).
+
+TORCHFT_LIGHTHOUSE=http://host:port python ft_replica.py --out r0.pt --replica r0
+python ft_replica.py --out plain.pt --plain        # the uninterrupted one-process reference
+
+Writes the final weights and what the replica saw (steps redone, where it healed) to --out, and
+each committed step's number to --out + ".step" (so a test can kill it at a chosen step).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Callback, DataLoaders, Learner, set_seed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--replica", default="")
+parser.add_argument("--plain", action="store_true", help="no fault tolerance: the reference run")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps mid-step")
+parser.add_argument("--min-replicas", type=int, default=1)
+parser.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
+parser.add_argument("--timeout", type=float, default=20.0)
+args = parser.parse_args()
+
+
+class Pace(Callback):
+    """Sleeps between the loss and the backward pass (so a kill lands mid-step), and writes the
+    step count after each optimizer step."""
+
+    order = 100
+
+    def __init__(self):
+        self.steps = 0
+        self.times = []
+
+    def after_loss(self):
+        if self.learn.training and args.step_time:
+            time.sleep(args.step_time)
+
+    def after_step(self):
+        self.steps += 1
+        self.times.append(time.perf_counter())
+        with open(args.out + ".step", "w") as fh:
+            fh.write(f"{self.learn.epoch * self.learn.n_iter + self.learn.iter}\n")
+
+
+set_seed(0)
+g = torch.Generator().manual_seed(1)
+x = torch.randn(240, 8, generator=g)
+y = (x[:, 0] + x[:, 1] > 0).long()
+dls = DataLoaders(
+    DataLoader(TensorDataset(x[:192], y[:192]), batch_size=12, shuffle=True),
+    DataLoader(TensorDataset(x[192:], y[192:]), batch_size=16),
+)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+opt_func = torch.optim.AdamW if args.opt == "adamw" else torch.optim.SGD
+pace = Pace()
+learn = Learner(dls, model, nn.CrossEntropyLoss(), opt_func=opt_func, lr=1e-2, cbs=[pace], default_cbs=False)
+events = {}
+started = time.perf_counter()
+if args.plain:
+    learn.fit(args.epochs)
+else:
+    ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
+    with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
+        trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
+        learn.fit(args.epochs)
+        events = dict(trainer.events)
+state = {k: v.clone() for k, v in learn.raw_model.state_dict().items()}
+torch.save(
+    {"weights": state, "events": events, "steps": pace.steps, "times": pace.times, "started": started},
+    args.out + ".tmp",
+)
+os.replace(args.out + ".tmp", args.out)

@@ -9,6 +9,7 @@ each committed step's number to --out + ".step" (so a test can kill it at a chos
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -26,6 +27,7 @@ parser.add_argument("--step-time", type=float, default=0.0, help="seconds each s
 parser.add_argument("--min-replicas", type=int, default=1)
 parser.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
 parser.add_argument("--timeout", type=float, default=20.0)
+parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself mid-step at this step")
 args = parser.parse_args()
 
 
@@ -40,8 +42,12 @@ class Pace(Callback):
         self.times = []
 
     def after_loss(self):
-        if self.learn.training and args.step_time:
+        if not self.learn.training:
+            return
+        if args.step_time:
             time.sleep(args.step_time)
+        if self.learn.epoch * self.learn.n_iter + self.learn.iter == args.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # before its gradient reaches the all-reduce
 
     def after_step(self):
         self.steps += 1

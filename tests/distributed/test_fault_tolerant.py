@@ -1,0 +1,112 @@
+"""Per-step fault tolerance on torchft: real replica processes, a real lighthouse on loopback, a real
+SIGKILL; the result is checked against a plain one-process run of the same script."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Learner
+from unison.data.batch import DataLoaders
+
+torchft = pytest.importorskip("torchft")
+
+from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
+
+
+def tiny_learner():
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=4), None)
+    return Learner(dls, nn.Linear(4, 2), nn.CrossEntropyLoss(), default_cbs=False)
+
+
+def test_without_a_lighthouse_it_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    learn = tiny_learner()
+    with pytest.raises(ValueError, match="needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE"):
+        with learn.distrib_ctx(fault_tolerant=True):
+            pass
+    assert learn.cbs == []  # nothing left attached
+
+
+def test_a_replica_of_several_processes_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:1")
+    with pytest.raises(ValueError, match="replica groups of one process each"):
+        with tiny_learner().distrib_ctx(fault_tolerant=True):
+            pass
+
+
+def replica(out, *args, env):
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = f"{out}.log"
+    return proc
+
+
+def finish(proc, timeout):
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    return Path(proc.log).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(tmp_path):
+    die_at = random.randint(4, 16)  # a random global step (of 64); printed on failure
+    args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20"]
+    plain = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, env=env) for r in (0, 1)]
+        doomed_args = ["--replica", "r2", "--die-at", str(die_at), *args]
+        doomed = replica(tmp_path / "r2-killed.pt", *doomed_args, env=env)
+        procs.append(doomed)
+        log = finish(doomed, timeout=150)
+        assert doomed.returncode == -9, f"die_at={die_at}: the replica was not killed\n{log}"
+        procs.append(replica(tmp_path / "r2.pt", "--replica", "r2", *args, env=env))
+        logs = [finish(p, timeout=150) for p in procs[:2] + procs[3:]]
+        for p, text in zip(procs[:2] + procs[3:], logs, strict=True):
+            assert p.returncode == 0, f"die_at={die_at}\n{text[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1", "r2")}
+    for name, run in runs.items():
+        for key, value in want.items():  # float noise of another summation order only
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+    for key in want:  # one all-reduce result: the replicas agree to the bit
+        assert torch.equal(runs["r0"]["weights"][key], runs["r2"]["weights"][key])
+    survivors = [runs["r0"], runs["r1"]]
+    for run in survivors:  # never restarted: one process trained all 64 steps, one was redone
+        assert run["steps"] == 64
+        assert run["events"]["redone"] >= 1, f"die_at={die_at}: {run['events']}"
+        assert 2 in run["events"]["participants"][die_at:]  # went on with two
+    healed = runs["r2"]["events"]["healed_at"]
+    assert healed is not None and healed[0] * 16 + healed[1] > die_at, f"die_at={die_at}: healed at {healed}"
+    assert runs["r2"]["steps"] == 64 - (healed[0] * 16 + healed[1])  # joined and trained to the end
+    assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part

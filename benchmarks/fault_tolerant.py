@@ -87,14 +87,15 @@ def median_step(times: list[float]) -> float:
     return statistics.median(gaps)
 
 
-def kill_figures(result: dict) -> tuple[float, float]:
+def kill_figures(result: dict) -> tuple[float, float, float]:
     dead, runs = result["dead_at"], result["runs"]
     times = runs["r0"]["times"]
     before = max(t for t in times if t <= dead)
     after = min(t for t in times if t > dead)
     stall = after - before - median_step(times)
     rejoin = runs["r2"]["times"][0] - dead
-    return stall, rejoin
+    startup = runs["r2"]["imported"] - dead  # Python and the imports, before any joining
+    return stall, rejoin, startup
 
 
 def timed(cmd: list[str], env: dict[str, str], tmp: Path) -> float:
@@ -139,7 +140,7 @@ def one_round(env: dict[str, str]) -> dict[str, float]:
             (tmp / f"{name}-kill").mkdir()
             args = ["--epochs", "8", "--min-replicas", "2"]
             result = replicas(script, tmp / f"{name}-kill", args, env, die_at=20)
-            got[f"{name}_stall"], got[f"{name}_rejoin"] = kill_figures(result)
+            got[f"{name}_stall"], got[f"{name}_rejoin"], got[f"{name}_startup"] = kill_figures(result)
         job = [sys.executable, "-m", "unison.launch", "--nproc", "3", "--max-restarts", "1", str(RESUMABLE)]
         (tmp / "a").mkdir()
         (tmp / "b").mkdir()
@@ -158,6 +159,9 @@ def section(rounds: list[dict[str, float]], load: str) -> str:
         values = [1000 * r[key] for r in rounds]
         return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
+    def kill_row(name: str) -> str:
+        return f"{med(name + '_stall')} | {med(name + '_rejoin')} | {med(name + '_startup')}"
+
     return f"""{SECTION}
 
 Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, torchft 0.2.0, gloo;
@@ -165,14 +169,15 @@ Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}
 3 replica groups of 1 process, lighthouse `--min_replicas 2 --quorum_tick_ms 100 --join_timeout_ms 2000`
 in the benchmark's process; the MLP of tests/fault_scripts/ft_replica.py, global batch 12, AdamW.
 
-| a lost replica | survivors' stall s | replacement's first step after the kill s | others restarted |
-| --- | ---: | ---: | --- |
-| unison `distrib_ctx(fault_tolerant=True)` | {med("unison_ft_stall")} | {med("unison_ft_rejoin")} | no |
-| torchft direct (`benchmarks/torchft_direct.py`) | {med("torchft_stall")} | {med("torchft_rejoin")} | no |
-| today: `--max-restarts 1`, `Checkpoint(every=1)` | job: {med("restart_lost")} lost | all restart | yes |
+| a lost replica | survivors' stall s | replacement's 1st step after the kill s | of which start-up s |
+| --- | ---: | ---: | ---: |
+| unison `distrib_ctx(fault_tolerant=True)` | {kill_row("unison_ft")} |
+| torchft direct (`benchmarks/torchft_direct.py`) | {kill_row("torchft")} |
+| today: `--max-restarts 1`, `Checkpoint(every=1)` | job: {med("restart_lost")} lost | every rank restarts | |
 
-The rejoin time includes the replacement's start-up (Python, torch, torchft, the model): it was
-started as soon as the killed process was gone. "Time lost" for the restart is the job's wall time
+Neither fault-tolerant run restarts the survivors. The rejoin time includes the replacement's
+start-up (Python and its imports: torch, torchft, unison), shown apart; it was started as soon as
+the killed process was gone. "Time lost" for the restart is the job's wall time
 with a rank SIGKILLed at step 5 less the same job without a kill (tests/fault_scripts/resumable.py).
 
 | per step, nothing failing | ms per step |

@@ -25,6 +25,8 @@ import torchft
 from torch import nn
 from torch.distributed import TCPStore
 
+imported = time.time()  # a replacement's start-up ends here
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--replica", required=True)
@@ -78,5 +80,5 @@ while manager.current_step() < total:
     if manager.current_step() > step:
         times.append(time.time())
 manager.shutdown(wait=False)
-torch.save({"times": times, "started": started, "steps": len(times)}, args.out + ".tmp")
+torch.save({"times": times, "started": started, "imported": imported, "steps": len(times)}, args.out + ".tmp")
 os.replace(args.out + ".tmp", args.out)

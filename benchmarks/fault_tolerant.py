@@ -179,6 +179,9 @@ Neither fault-tolerant run restarts the survivors. The rejoin time includes the 
 start-up (Python and its imports: torch, torchft, unison), shown apart; it was started as soon as
 the killed process was gone. "Time lost" for the restart is the job's wall time
 with a rank SIGKILLed at step 5 less the same job without a kill (tests/fault_scripts/resumable.py).
+torchft direct all-reduces each gradient with `Manager.allreduce`, not through torchft's
+`DistributedDataParallel`: in torchft 0.2.0 that wrapper's comm hook fails with `AssertionError`
+(torchft/ddp.py:76, `assert fut._fut`) when a peer dies mid-all-reduce, which ends the survivor.
 
 | per step, nothing failing | ms per step |
 | --- | ---: |
@@ -188,9 +191,14 @@ with a rank SIGKILLed at step 5 less the same job without a kill (tests/fault_sc
 | unison fault-tolerant, 3 replicas (synchronous quorum, one flat all-reduce) | {ms("unison_ft_step")} |
 
 On a model this small a step is almost all coordination: a quorum round-trip to the lighthouse and a
-commit vote per step, which is what fault tolerance costs; the compute of a larger model does not add
-to it. unison's quorum is synchronous (it heals before the forward pass), torchft's default overlaps
-it with the forward pass.
+commit vote per step, which is what fault tolerance costs. Neither grows with the model (the
+all-reduce does, as DDP's does). unison's quorum is synchronous (it heals before the forward pass);
+torchft's default overlaps it with the forward pass.
+
+Read the spreads: the 2-core machine was shared with other jobs (see the load average), so a
+process's share of the CPU varied from round to round. The plain process, for instance, took from
+0.7 ms to tens of ms for the same step. A replacement's start-up competes for the CPU with the
+survivors: unison's survivors went on training while it started, while torchft's were still stalled.
 """
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -191,11 +192,17 @@ class FaultTolerantTrainer(Callback):
         self._position = (learn.start_epoch, learn.start_iter)
         self._quorum()
         if self._healed_to is not None:
+            epoch, step = self._healed_to
+            self._say(f"healed from a live peer: joins at epoch {epoch} step {step}")
             learn.start_epoch, learn.start_iter = self._healed_to
             self.events["healed_at"] = self._healed_to
             self._position = self._healed_to
             self._healed_to = None
         self._quorum_ready = True
+
+    def _say(self, message: str) -> None:
+        """One line in this replica's log (torchft's own logs name the lighthouse's view)."""
+        print(f"unison: replica {self.replica_id}: {message}", file=sys.stderr, flush=True)
 
     def _quorum(self) -> None:
         self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
@@ -269,9 +276,15 @@ class FaultTolerantTrainer(Callback):
         assert learn.opt is not None
         self.events["redone"] += 1
         learn.opt.zero_grad(set_to_none=True)
+        was = self.events["participants"][-1]
         self._quorum()
         self._check_not_moved()
         self._take_share()
+        epoch, step = self._position
+        now = self.events["participants"][-1]
+        self._say(
+            f"epoch {epoch} step {step} failed with {was} replicas; redone with {now} over the same items"
+        )
         learn.pred = learn.call_model(learn.model, learn.xb)
         total, count, mean = learn.exact_loss.terms(learn)
         learn.loss_count = count

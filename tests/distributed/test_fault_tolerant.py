@@ -3,8 +3,10 @@ SIGKILL; the result is checked against a plain one-process run of the same scrip
 
 import os
 import random
+import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,38 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     assert healed is not None and healed[0] * 16 + healed[1] > die_at, f"die_at={die_at}: healed at {healed}"
     assert runs["r2"]["steps"] == 64 - (healed[0] * 16 + healed[1])  # joined and trained to the end
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
+
+
+def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):
+    from unison.cli import main
+
+    assert main(["lighthouse", "--min-replicas", "0"]) == 2
+    assert capsys.readouterr().err == "unison lighthouse: --min-replicas must be at least 1, got 0\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigterm(tmp_path):
+    from torchft.coordination import LighthouseClient
+
+    cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = proc.stdout.readline().strip()  # bounded by the test's timeout
+        assert line.startswith(f"{LIGHTHOUSE_ENV}=http://"), line
+        address = line.split("=", 1)[1]
+        client = LighthouseClient(address, connect_timeout=timedelta(seconds=10))
+        quorum = client.quorum(replica_id="a", timeout=timedelta(seconds=10), step=7, world_size=1)
+        assert [(m.replica_id, m.step) for m in quorum.participants] == [("a", 7)]
+        port = address.rsplit(":", 1)[1]
+        second = subprocess.run([*cmd, "--port", port], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert second.stderr.startswith(f"unison lighthouse: could not start on port {port}: "), second.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -26,9 +26,12 @@ losses counted by anything but rows (a `SummedLoss`/token loss).
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import socket
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -69,6 +72,42 @@ def start_lighthouse(
         quorum_tick_ms=quorum_tick_ms,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
+
+
+def lighthouse_main(argv: Sequence[str]) -> int:
+    """`unison lighthouse`: start torchft's lighthouse, print `TORCHFT_LIGHTHOUSE=<address>` for the
+    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status.
+
+    >>> lighthouse_main(["--min-replicas", "2", "--port", "29510"])   # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(prog="unison lighthouse", description=lighthouse_main.__doc__)
+    parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
+    parser.add_argument("--port", type=int, default=29510, help="0: any free port (default 29510)")
+    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="wait for late replicas")
+    parser.add_argument("--quorum-tick-ms", type=int, default=100)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    args = parser.parse_args(list(argv))
+    if args.min_replicas < 1:
+        print(
+            f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
+        )
+        return 2
+    if not 0 <= args.port < 65536:
+        print(f"unison lighthouse: --port must be 0-65535, got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        server = start_lighthouse(
+            args.min_replicas, args.port, args.join_timeout_ms, args.quorum_tick_ms, args.heartbeat_timeout_ms
+        )
+    except Exception as exc:  # (a port in use, torchft missing): one line, no traceback
+        print(f"unison lighthouse: could not start on port {args.port}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{LIGHTHOUSE_ENV}={server.address()}", flush=True)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    signal.sigwait(stop)
+    server.shutdown()
+    return 0
 
 
 def _rows(x: Any, part: int, parts: int) -> Any:

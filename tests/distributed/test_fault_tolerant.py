@@ -150,3 +150,49 @@ def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigt
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_after_losing_every_replica_the_job_resumes_from_checkpoints_and_ends_on_the_uninterrupted_weights(
+    tmp_path,
+):
+    die_at = random.randint(3, 40)  # every replica dies mid-step here (of 64); printed on failure
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        for attempt, extra in (("lost", ["--die-at", str(die_at)]), ("resumed", ["--resume"])):
+            common = ["--epochs", "4", "--min-replicas", "2", *extra]
+            procs = [
+                replica(
+                    tmp_path / f"{attempt}-r{r}.pt",
+                    "--replica",
+                    f"r{r}",
+                    "--dir",
+                    str(tmp_path / f"r{r}"),
+                    *common,
+                    env=env,
+                )
+                for r in range(3)
+            ]
+            logs = [finish(p, timeout=150) for p in procs]
+            want = -9 if attempt == "lost" else 0
+            for p, log in zip(procs, logs, strict=True):
+                assert p.returncode == want, f"die_at={die_at} {attempt}\n{log[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    for r in range(3):
+        run = torch.load(tmp_path / f"resumed-r{r}.pt")
+        assert run["steps"] == 64 - die_at, (
+            f"die_at={die_at}: r{r} trained {run['steps']} steps after resuming"
+        )
+        for key, value in want.items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"r{r} {key}")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Callback, DataLoaders, Learner, set_seed
+from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 
 imported = time.time()  # (benchmarks: a replacement's start-up ends here)
 
@@ -26,6 +26,8 @@ parser.add_argument("--replica", default="")
 parser.add_argument("--plain", action="store_true", help="no fault tolerance: the reference run")
 parser.add_argument("--ddp", action="store_true", help="plain distrib_ctx() under unison launch (benchmarks)")
 parser.add_argument("--batch-size", type=int, default=12)
+parser.add_argument("--dir", default=None, help="Checkpoint(every=1) under this folder")
+parser.add_argument("--resume", action="store_true", help="fit(resume=True) from --dir's checkpoint")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps mid-step")
 parser.add_argument("--min-replicas", type=int, default=1)
@@ -71,7 +73,19 @@ dls = DataLoaders(
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
 opt_func = torch.optim.AdamW if args.opt == "adamw" else torch.optim.SGD
 pace = Pace()
-learn = Learner(dls, model, nn.CrossEntropyLoss(), opt_func=opt_func, lr=1e-2, cbs=[pace], default_cbs=False)
+cbs = [pace, Checkpoint(every=1)] if args.dir else [pace]
+learn = Learner(
+    dls,
+    model,
+    nn.CrossEntropyLoss(),
+    opt_func=opt_func,
+    lr=1e-2,
+    cbs=cbs,
+    default_cbs=False,
+    path=args.dir or ".",
+)
+if args.dir:
+    learn.add_cb(learn.recorder)  # a checkpoint holds the recorder's state (default_cbs=False leaves it out)
 events = {}
 started = time.time()
 if args.plain:
@@ -85,7 +99,7 @@ else:
     ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
     with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
         trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
-        learn.fit(args.epochs)
+        learn.fit(args.epochs, resume=args.resume)
         events = dict(trainer.events)
 state = {k: v.clone() for k, v in learn.raw_model.state_dict().items()}
 torch.save(

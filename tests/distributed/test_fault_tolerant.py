@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +56,17 @@ def replica(out, *args, env):
     return proc
 
 
+def went_past(step_file, step, timeout):
+    """Whether the replica writing `step_file` committed global step `step` within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = step_file.read_text().strip() if step_file.exists() else ""
+        if text and int(text) >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def finish(proc, timeout):
     try:
         proc.wait(timeout=timeout)
@@ -66,11 +78,14 @@ def finish(proc, timeout):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(tmp_path):
-    die_at = random.randint(4, 16)  # a random global step (of 64); printed on failure
-    args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20"]
+@pytest.mark.parametrize("data", [[], ["--sampler"]], ids=["shuffled-loader", "uneven-batch-sampler"])
+def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(
+    tmp_path, data
+):
+    die_at = random.randint(4, 16)  # a random global step (of 64 or 92); printed on failure
+    args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20", *data]
     plain = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"],
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4", *data],
         capture_output=True,
         text=True,
         timeout=120,
@@ -86,6 +101,8 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
         procs.append(doomed)
         log = finish(doomed, timeout=150)
         assert doomed.returncode == -9, f"die_at={die_at}: the replica was not killed\n{log}"
+        # The replacement starts once the survivors went on alone (else it may join the redo itself).
+        assert went_past(tmp_path / "r0.pt.step", die_at + 2, timeout=60), f"die_at={die_at}: no progress"
         procs.append(replica(tmp_path / "r2.pt", "--replica", "r2", *args, env=env))
         logs = [finish(p, timeout=150) for p in procs[:2] + procs[3:]]
         for text in logs[:2]:  # each survivor's log says what happened
@@ -101,19 +118,22 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
         lighthouse.shutdown()
     want = torch.load(tmp_path / "plain.pt")["weights"]
     runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1", "r2")}
+    n_iter = runs["r0"]["steps_per_epoch"]  # 16 full batches of 12, or 23 uneven ones
+    total = 4 * n_iter
     for name, run in runs.items():
         for key, value in want.items():  # float noise of another summation order only
             torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
     for key in want:  # one all-reduce result: the replicas agree to the bit
         assert torch.equal(runs["r0"]["weights"][key], runs["r2"]["weights"][key])
     survivors = [runs["r0"], runs["r1"]]
-    for run in survivors:  # never restarted: one process trained all 64 steps, one was redone
-        assert run["steps"] == 64
+    for run in survivors:  # never restarted: one process trained every step, one was redone
+        assert run["steps"] == total
         assert run["events"]["redone"] >= 1, f"die_at={die_at}: {run['events']}"
         assert 2 in run["events"]["participants"][die_at:]  # went on with two
     healed = runs["r2"]["events"]["healed_at"]
-    assert healed is not None and healed[0] * 16 + healed[1] > die_at, f"die_at={die_at}: healed at {healed}"
-    assert runs["r2"]["steps"] == 64 - (healed[0] * 16 + healed[1])  # joined and trained to the end
+    joined = healed[0] * n_iter + healed[1] if healed is not None else -1
+    assert joined > die_at, f"die_at={die_at}: healed at {healed}"
+    assert runs["r2"]["steps"] == total - joined  # joined and trained to the end
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
 
 

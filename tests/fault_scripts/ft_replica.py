@@ -28,6 +28,7 @@ parser.add_argument("--ddp", action="store_true", help="plain distrib_ctx() unde
 parser.add_argument("--batch-size", type=int, default=12)
 parser.add_argument("--dir", default=None, help="Checkpoint(every=1) under this folder")
 parser.add_argument("--resume", action="store_true", help="fit(resume=True) from --dir's checkpoint")
+parser.add_argument("--sampler", action="store_true", help="a batch sampler of uneven, shuffled batches")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps mid-step")
 parser.add_argument("--min-replicas", type=int, default=1)
@@ -46,6 +47,7 @@ class Pace(Callback):
     def __init__(self):
         self.steps = 0
         self.times = []
+        self.n_iter = 0
 
     def after_loss(self):
         if not self.learn.training:
@@ -58,8 +60,32 @@ class Pace(Callback):
     def after_step(self):
         self.steps += 1
         self.times.append(time.time())  # wall clock: compared across processes
+        self.n_iter = self.learn.n_iter  # training steps per epoch
         with open(args.out + ".step", "w") as fh:
             fh.write(f"{self.learn.epoch * self.learn.n_iter + self.learn.iter}\n")
+
+
+class UnevenBatches:
+    """Shuffled batches of 7, 12, 10, 5, 7, ... items (a bucketing batch sampler's shape)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def _sizes(self):
+        sizes, done, k = [], 0, 0
+        while done < self.n:
+            sizes.append(min([7, 12, 10, 5][k % 4], self.n - done))
+            done, k = done + sizes[-1], k + 1
+        return sizes
+
+    def __iter__(self):
+        order, start = torch.randperm(self.n).tolist(), 0
+        for size in self._sizes():
+            yield order[start : start + size]
+            start += size
+
+    def __len__(self):
+        return len(self._sizes())
 
 
 set_seed(0)
@@ -67,7 +93,9 @@ g = torch.Generator().manual_seed(1)
 x = torch.randn(240, 8, generator=g)
 y = (x[:, 0] + x[:, 1] > 0).long()
 dls = DataLoaders(
-    DataLoader(TensorDataset(x[:192], y[:192]), batch_size=args.batch_size, shuffle=True),
+    DataLoader(TensorDataset(x[:192], y[:192]), batch_sampler=UnevenBatches(192))
+    if args.sampler
+    else DataLoader(TensorDataset(x[:192], y[:192]), batch_size=args.batch_size, shuffle=True),
     DataLoader(TensorDataset(x[192:], y[192:]), batch_size=16),
 )
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
@@ -110,6 +138,7 @@ torch.save(
         "times": pace.times,
         "started": started,
         "imported": imported,
+        "steps_per_epoch": pace.n_iter,
     },
     args.out + ".tmp",
 )

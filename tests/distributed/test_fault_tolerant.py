@@ -48,6 +48,22 @@ def test_a_replica_of_several_processes_is_refused_in_one_line(monkeypatch):
             pass
 
 
+@pytest.mark.timeout(60)
+def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_the_fix(monkeypatch):
+    lighthouse = start_lighthouse(min_replicas=2)  # this replica is alone
+    monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+    learn = tiny_learner()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="no quorum within 2 s .* are at least its --min-replicas"):
+            with learn.distrib_ctx(fault_tolerant={"quorum_timeout": 2}):
+                learn.fit(1)
+    finally:
+        lighthouse.shutdown()
+    assert time.monotonic() - start < 30
+    assert learn.cbs == []  # detached on the way out
+
+
 def replica(out, *args, env):
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe

@@ -163,8 +163,7 @@ class FaultTolerantTrainer(Callback):
         if not self.lighthouse:
             raise ValueError(
                 "distrib_ctx(fault_tolerant=True) needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE="
-                "http://host:port (start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` "
-                "or unison.distributed.fault_tolerant.start_lighthouse())"
+                "http://host:port (start one with `unison lighthouse --min-replicas 2`)"
             )
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
@@ -244,9 +243,15 @@ class FaultTolerantTrainer(Callback):
         print(f"unison: replica {self.replica_id}: {message}", file=sys.stderr, flush=True)
 
     def _quorum(self) -> None:
-        self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
-        if self.manager.errored() is not None:
-            return  # the step fails its commit and is redone under the next quorum
+        """This step's quorum (and a heal, if this replica is behind). A failure inside it (a peer
+        lost while reconfiguring) is recorded by torchft: the step's commit then fails and it is redone."""
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"replica {self.replica_id}: no quorum within {self.quorum_timeout:.0f} s from the "
+                f"lighthouse at {self.lighthouse}: are at least its --min-replicas replicas running?"
+            ) from exc
 
     def before_batch(self) -> None:
         learn = self.learn
@@ -276,7 +281,7 @@ class FaultTolerantTrainer(Callback):
         part, parts = self.manager.participating_rank(), self.manager.num_participants()
         self.events["participants"].append(parts)
         xb, yb = self._full
-        if part is None or parts < 1:  # not in this quorum: contribute nothing, vote fails
+        if part is None or parts < 1:  # a spare (not used here): torchft zeroes what it all-reduces
             part, parts = 0, 1
         learn.xb, learn.yb = _rows(xb, part, parts), _rows(yb, part, parts)
         learn._empty_share = batch_size_of(learn.xb) == 0

@@ -88,6 +88,11 @@ PAGES = [
         "Faults and resume",
     ),
     Page(
+        "fault-tolerance.md",
+        "Fault tolerance per step (torchft)",
+        "a lost replica costs seconds, not a restart: torchft replicas that redo the step and heal, exactly",
+    ),
+    Page(
         "sharded.md",
         "Sharded training",
         "FSDP2 with `shard=True`, sharded checkpoints, memory and speed",

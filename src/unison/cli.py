@@ -1,8 +1,10 @@
-"""The `unison` console script: `unison launch ...`, `unison check-exact ...` and `unison env`.
+"""The `unison` console script: `unison launch ...`, `unison check-exact ...`, `unison env` and
+`unison lighthouse` (torchft's, for `distrib_ctx(fault_tolerant=True)`).
 
 unison launch --nproc 2 train.py                 # see `unison launch --help`
 unison check-exact --nproc 2 --float64 train.py  # 1 vs 2 processes on your own script
 unison env                                       # what this machine and environment offer a launch
+unison lighthouse --min-replicas 2               # fault-tolerant replicas find each other through it
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import sys
 from collections.abc import Sequence
 
 _USAGE = """\
-usage: unison {launch,check-exact,env} ...
+usage: unison {launch,check-exact,env,lighthouse} ...
 
   launch       run a training script on several processes, GPUs or machines (unison launch --help)
   check-exact  run a script a few steps on 1 and on N processes and compare weights, losses and
                metrics: float noise or a real divergence (unison check-exact --help)
   env          show versions, backends, GPUs, rank variables, the gloo interface and threads
+  lighthouse   start torchft's lighthouse for distrib_ctx(fault_tolerant=True) replicas
+               (unison lighthouse --help)
 """
 
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -97,8 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(env_report())
         return 0
+    if command == "lighthouse":
+        from unison.distributed.fault_tolerant import lighthouse_main
+
+        return lighthouse_main(rest)
     print(
-        f"unison: unknown command {command!r} (use launch, check-exact or env; unison --help)",
+        f"unison: unknown command {command!r} (use launch, check-exact, env or lighthouse; unison --help)",
         file=sys.stderr,
     )
     return 2

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from unison.data.loader import DistributedDL
     from unison.distributed.collective import Collective
     from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
+    from unison.distributed.fault_tolerant import FaultTolerantTrainer, ReplicaBehindError, start_lighthouse
     from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
     from unison.distributed.sharded import ShardedTrainer, is_sharded
     from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
@@ -40,6 +41,9 @@ _EXPORTS = {
     "rank0_first": "unison.distributed.group",
     "setup_distrib": "unison.distributed.group",
     "teardown_distrib": "unison.distributed.group",
+    "FaultTolerantTrainer": "unison.distributed.fault_tolerant",
+    "ReplicaBehindError": "unison.distributed.fault_tolerant",
+    "start_lighthouse": "unison.distributed.fault_tolerant",
     "ShardedTrainer": "unison.distributed.sharded",
     "is_sharded": "unison.distributed.sharded",
     "export_state_dict": "unison.checkpoint.sharded",
@@ -63,7 +67,9 @@ __all__ = [
     "DistributedDL",
     "DistributedDataParallel",
     "DistributedTrainer",
+    "FaultTolerantTrainer",
     "ParallelTrainer",
+    "ReplicaBehindError",
     "ShardedTrainer",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
@@ -76,5 +82,6 @@ __all__ = [
     "rank_distrib",
     "revert_sync_batchnorm",
     "setup_distrib",
+    "start_lighthouse",
     "teardown_distrib",
 ]

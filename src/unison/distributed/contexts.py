@@ -42,12 +42,21 @@ def to_distributed(
     shard: bool = False,
     **ddp_kwargs: Any,
 ) -> None:
-    """Join (or make) the process group and train with DDP, or FSDP2 with `shard=True`."""
+    """Join (or make) the process group and train with DDP, or FSDP2 with `shard=True`;
+    `fault_tolerant=True` (or a dict of `FaultTolerantTrainer`'s options): torchft replicas."""
     from unison.distributed.sharded import ShardedTrainer
     from unison.distributed.trainer import DistributedTrainer
 
-    kind = ShardedTrainer if shard else DistributedTrainer
-    trainer = kind(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
+    fault_tolerant = ddp_kwargs.pop("fault_tolerant", False)
+    trainer: Any
+    if fault_tolerant:
+        from unison.distributed.fault_tolerant import FaultTolerantTrainer
+
+        options = fault_tolerant if isinstance(fault_tolerant, dict) else {}
+        trainer = FaultTolerantTrainer(timeout=timeout or 30.0, **options)
+    else:
+        kind = ShardedTrainer if shard else DistributedTrainer
+        trainer = kind(cuda_id, sync_bn=sync_bn, timeout=timeout, backend=backend, **ddp_kwargs)
     learn.add_cb(trainer)
     try:
         trainer.setup()
@@ -58,10 +67,12 @@ def to_distributed(
 
 def detach_distributed(learn: LearnerView) -> None:
     """Model, BatchNorm, loaders and logging as they were before `to_distributed`."""
+    from unison.distributed.fault_tolerant import FaultTolerantTrainer
     from unison.distributed.sharded import ShardedTrainer
     from unison.distributed.trainer import DistributedTrainer
 
-    for cb in [c for c in learn.cbs if isinstance(c, (DistributedTrainer, ShardedTrainer))]:
+    kinds = (DistributedTrainer, ShardedTrainer, FaultTolerantTrainer)
+    for cb in [c for c in learn.cbs if isinstance(c, kinds)]:
         cb.restore()
         learn.remove_cb(cb)
 

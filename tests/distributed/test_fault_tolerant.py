@@ -1,0 +1,234 @@
+"""Per-step fault tolerance on torchft: real replica processes, a real lighthouse on loopback, a real
+SIGKILL; the result is checked against a plain one-process run of the same script."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Learner
+from unison.data.batch import DataLoaders
+
+torchft = pytest.importorskip("torchft")
+
+from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
+
+
+def tiny_learner():
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=4), None)
+    return Learner(dls, nn.Linear(4, 2), nn.CrossEntropyLoss(), default_cbs=False)
+
+
+def test_without_a_lighthouse_it_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    learn = tiny_learner()
+    with pytest.raises(ValueError, match="needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE"):
+        with learn.distrib_ctx(fault_tolerant=True):
+            pass
+    assert learn.cbs == []  # nothing left attached
+
+
+def test_a_replica_of_several_processes_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:1")
+    with pytest.raises(ValueError, match="replica groups of one process each"):
+        with tiny_learner().distrib_ctx(fault_tolerant=True):
+            pass
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_the_fix(monkeypatch):
+    lighthouse = start_lighthouse(min_replicas=2)  # this replica is alone
+    monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+    learn = tiny_learner()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="no quorum within 2 s .* are at least its --min-replicas"):
+            with learn.distrib_ctx(fault_tolerant={"quorum_timeout": 2}):
+                learn.fit(1)
+    finally:
+        lighthouse.shutdown()
+    assert time.monotonic() - start < 30
+    assert learn.cbs == []  # detached on the way out
+
+
+def replica(out, *args, env):
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = f"{out}.log"
+    return proc
+
+
+def went_past(step_file, step, timeout):
+    """Whether the replica writing `step_file` committed global step `step` within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = step_file.read_text().strip() if step_file.exists() else ""
+        if text and int(text) >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def finish(proc, timeout):
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    return Path(proc.log).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("data", [[], ["--sampler"]], ids=["shuffled-loader", "uneven-batch-sampler"])
+def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(
+    tmp_path, data
+):
+    die_at = random.randint(4, 16)  # a random global step (of 64 or 92); printed on failure
+    args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20", *data]
+    plain = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4", *data],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, env=env) for r in (0, 1)]
+        doomed_args = ["--replica", "r2", "--die-at", str(die_at), *args]
+        doomed = replica(tmp_path / "r2-killed.pt", *doomed_args, env=env)
+        procs.append(doomed)
+        log = finish(doomed, timeout=150)
+        assert doomed.returncode == -9, f"die_at={die_at}: the replica was not killed\n{log}"
+        # The replacement starts once the survivors went on alone (else it may join the redo itself).
+        assert went_past(tmp_path / "r0.pt.step", die_at + 2, timeout=60), f"die_at={die_at}: no progress"
+        procs.append(replica(tmp_path / "r2.pt", "--replica", "r2", *args, env=env))
+        logs = [finish(p, timeout=150) for p in procs[:2] + procs[3:]]
+        for text in logs[:2]:  # each survivor's log says what happened
+            assert "failed with 3 replicas; redone with 2 over the same items" in text, f"die_at={die_at}"
+        assert "healed from a live peer: joins at epoch" in logs[2]
+        for p, text in zip(procs[:2] + procs[3:], logs, strict=True):
+            assert p.returncode == 0, f"die_at={die_at}\n{text[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1", "r2")}
+    n_iter = runs["r0"]["steps_per_epoch"]  # 16 full batches of 12, or 23 uneven ones
+    total = 4 * n_iter
+    for name, run in runs.items():
+        for key, value in want.items():  # float noise of another summation order only
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+    for key in want:  # one all-reduce result: the replicas agree to the bit
+        assert torch.equal(runs["r0"]["weights"][key], runs["r2"]["weights"][key])
+    survivors = [runs["r0"], runs["r1"]]
+    for run in survivors:  # never restarted: one process trained every step, one was redone
+        assert run["steps"] == total
+        assert run["events"]["redone"] >= 1, f"die_at={die_at}: {run['events']}"
+        assert 2 in run["events"]["participants"][die_at:]  # went on with two
+    healed = runs["r2"]["events"]["healed_at"]
+    joined = healed[0] * n_iter + healed[1] if healed is not None else -1
+    assert joined > die_at, f"die_at={die_at}: healed at {healed}"
+    assert runs["r2"]["steps"] == total - joined  # joined and trained to the end
+    assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
+
+
+def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):
+    from unison.cli import main
+
+    assert main(["lighthouse", "--min-replicas", "0"]) == 2
+    assert capsys.readouterr().err == "unison lighthouse: --min-replicas must be at least 1, got 0\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigterm(tmp_path):
+    from torchft.coordination import LighthouseClient
+
+    cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = proc.stdout.readline().strip()  # bounded by the test's timeout
+        assert line.startswith(f"{LIGHTHOUSE_ENV}=http://"), line
+        address = line.split("=", 1)[1]
+        client = LighthouseClient(address, connect_timeout=timedelta(seconds=10))
+        quorum = client.quorum(replica_id="a", timeout=timedelta(seconds=10), step=7, world_size=1)
+        assert [(m.replica_id, m.step) for m in quorum.participants] == [("a", 7)]
+        port = address.rsplit(":", 1)[1]
+        second = subprocess.run([*cmd, "--port", port], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert second.stderr.startswith(f"unison lighthouse: could not start on port {port}: "), second.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_after_losing_every_replica_the_job_resumes_from_checkpoints_and_ends_on_the_uninterrupted_weights(
+    tmp_path,
+):
+    die_at = random.randint(3, 40)  # every replica dies mid-step here (of 64); printed on failure
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        for attempt, extra in (("lost", ["--die-at", str(die_at)]), ("resumed", ["--resume"])):
+            common = ["--epochs", "4", "--min-replicas", "2", *extra]
+            procs = [
+                replica(
+                    tmp_path / f"{attempt}-r{r}.pt",
+                    "--replica",
+                    f"r{r}",
+                    "--dir",
+                    str(tmp_path / f"r{r}"),
+                    *common,
+                    env=env,
+                )
+                for r in range(3)
+            ]
+            logs = [finish(p, timeout=150) for p in procs]
+            want = -9 if attempt == "lost" else 0
+            for p, log in zip(procs, logs, strict=True):
+                assert p.returncode == want, f"die_at={die_at} {attempt}\n{log[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    for r in range(3):
+        run = torch.load(tmp_path / f"resumed-r{r}.pt")
+        assert run["steps"] == 64 - die_at, (
+            f"die_at={die_at}: r{r} trained {run['steps']} steps after resuming"
+        )
+        for key, value in want.items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"r{r} {key}")

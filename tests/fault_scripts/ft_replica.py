@@ -1,0 +1,145 @@
+"""One torchft replica of a tiny training run (fault-tolerance tests and benchmarks/fault_tolerant.py).
+
+TORCHFT_LIGHTHOUSE=http://host:port python ft_replica.py --out r0.pt --replica r0
+python ft_replica.py --out plain.pt --plain        # the uninterrupted one-process reference
+
+Writes the final weights and what the replica saw (steps redone, where it healed) to --out, and
+each committed step's number to --out + ".step" (so a test can kill it at a chosen step).
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
+
+imported = time.time()  # (benchmarks: a replacement's start-up ends here)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--replica", default="")
+parser.add_argument("--plain", action="store_true", help="no fault tolerance: the reference run")
+parser.add_argument("--ddp", action="store_true", help="plain distrib_ctx() under unison launch (benchmarks)")
+parser.add_argument("--batch-size", type=int, default=12)
+parser.add_argument("--dir", default=None, help="Checkpoint(every=1) under this folder")
+parser.add_argument("--resume", action="store_true", help="fit(resume=True) from --dir's checkpoint")
+parser.add_argument("--sampler", action="store_true", help="a batch sampler of uneven, shuffled batches")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps mid-step")
+parser.add_argument("--min-replicas", type=int, default=1)
+parser.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
+parser.add_argument("--timeout", type=float, default=20.0)
+parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself mid-step at this step")
+args = parser.parse_args()
+
+
+class Pace(Callback):
+    """Sleeps between the loss and the backward pass (so a kill lands mid-step), and writes the
+    step count after each optimizer step."""
+
+    order = 100
+
+    def __init__(self):
+        self.steps = 0
+        self.times = []
+        self.n_iter = 0
+
+    def after_loss(self):
+        if not self.learn.training:
+            return
+        if args.step_time:
+            time.sleep(args.step_time)
+        if self.learn.epoch * self.learn.n_iter + self.learn.iter == args.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # before its gradient reaches the all-reduce
+
+    def after_step(self):
+        self.steps += 1
+        self.times.append(time.time())  # wall clock: compared across processes
+        self.n_iter = self.learn.n_iter  # training steps per epoch
+        with open(args.out + ".step", "w") as fh:
+            fh.write(f"{self.learn.epoch * self.learn.n_iter + self.learn.iter}\n")
+
+
+class UnevenBatches:
+    """Shuffled batches of 7, 12, 10, 5, 7, ... items (a bucketing batch sampler's shape)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def _sizes(self):
+        sizes, done, k = [], 0, 0
+        while done < self.n:
+            sizes.append(min([7, 12, 10, 5][k % 4], self.n - done))
+            done, k = done + sizes[-1], k + 1
+        return sizes
+
+    def __iter__(self):
+        order, start = torch.randperm(self.n).tolist(), 0
+        for size in self._sizes():
+            yield order[start : start + size]
+            start += size
+
+    def __len__(self):
+        return len(self._sizes())
+
+
+set_seed(0)
+g = torch.Generator().manual_seed(1)
+x = torch.randn(240, 8, generator=g)
+y = (x[:, 0] + x[:, 1] > 0).long()
+dls = DataLoaders(
+    DataLoader(TensorDataset(x[:192], y[:192]), batch_sampler=UnevenBatches(192))
+    if args.sampler
+    else DataLoader(TensorDataset(x[:192], y[:192]), batch_size=args.batch_size, shuffle=True),
+    DataLoader(TensorDataset(x[192:], y[192:]), batch_size=16),
+)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+opt_func = torch.optim.AdamW if args.opt == "adamw" else torch.optim.SGD
+pace = Pace()
+cbs = [pace, Checkpoint(every=1)] if args.dir else [pace]
+learn = Learner(
+    dls,
+    model,
+    nn.CrossEntropyLoss(),
+    opt_func=opt_func,
+    lr=1e-2,
+    cbs=cbs,
+    default_cbs=False,
+    path=args.dir or ".",
+)
+if args.dir:
+    learn.add_cb(learn.recorder)  # a checkpoint holds the recorder's state (default_cbs=False leaves it out)
+events = {}
+started = time.time()
+if args.plain:
+    learn.fit(args.epochs)
+elif args.ddp:
+    with learn.distrib_ctx():
+        learn.fit(args.epochs)
+    if os.environ.get("RANK", "0") != "0":
+        raise SystemExit(0)
+else:
+    ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
+    with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
+        trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
+        learn.fit(args.epochs, resume=args.resume)
+        events = dict(trainer.events)
+state = {k: v.clone() for k, v in learn.raw_model.state_dict().items()}
+torch.save(
+    {
+        "weights": state,
+        "events": events,
+        "steps": pace.steps,
+        "times": pace.times,
+        "started": started,
+        "imported": imported,
+        "steps_per_epoch": pace.n_iter,
+    },
+    args.out + ".tmp",
+)
+os.replace(args.out + ".tmp", args.out)

@@ -132,7 +132,9 @@ class RankMonitor:
     def diagnose(self) -> RankStalledError | None:
         """After a failed collective: the rank that stopped taking part, if another one did."""
         found = self.watchdog.diagnose()
-        return found if found is not None and found.rank != dist.get_rank() else None
+        # The rank the watchdog recorded at start, not dist.get_rank(): the group may already be
+        # gone (Ray Train destroys it when a worker dies), and that must not hide who stopped.
+        return found if found is not None and found.rank != self.watchdog.rank else None
 
     def stop(self) -> None:
         self.watchdog.stop()

@@ -4,6 +4,7 @@ import contextlib
 import io
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Callback, Checkpoint, CheckpointError, DataLoaders, Learner, set_seed
+from unison.checkpoint.callback import GlobalBatchChangedWarning
 
 N_TRAIN, EPOCHS = 48, 2
 
@@ -131,6 +133,22 @@ def test_resume_with_another_global_batch_mid_epoch_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a whole number of global batches of 16"):
         _fit(other, resume=True)
     assert _same(before, _weights(other))  # refused before anything changed
+
+
+def test_resume_at_another_global_batch_says_so_in_one_warning(tmp_path):
+    """An elastic job that lost a node resumes at a smaller global batch: allowed, never silent."""
+    first = _learner(tmp_path, 8)
+    with pytest.raises(Stop):
+        _fit(first, cbs=[StopAt(6)])  # 48 samples: the end of epoch 0, a whole number of batches of 16
+    other = _learner(tmp_path, 16)
+    with pytest.warns(GlobalBatchChangedWarning, match="global batch of 16 .* the interrupted run had 8"):
+        _fit(other, resume=True)
+    same = _learner(tmp_path / "same", 8)
+    with pytest.raises(Stop):
+        _fit(same, cbs=[StopAt(3)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GlobalBatchChangedWarning)
+        _fit(_learner(tmp_path / "same", 8), resume=True)  # the same global batch: no warning
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):

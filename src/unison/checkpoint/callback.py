@@ -13,6 +13,7 @@ batch b resumes on 1 process at batch 2b at the same point of the same data orde
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ from unison.checkpoint.format import (
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
 from unison.distributed.fsdp import is_sharded
 from unison.rng import get_rng_state, set_rng_state
+
+
+class GlobalBatchChangedWarning(UserWarning):
+    """A resume at another global batch (batch_size x processes) than the interrupted run's: it
+    trains on, no longer equal to the uninterrupted run (an elastic job that shrank does this)."""
 
 
 class Checkpoint(Callback):
@@ -162,6 +168,16 @@ class Checkpoint(Callback):
                 f"{self.file} stopped {samples} samples into epoch {state['epoch']}, not a whole number "
                 f"of global batches of {global_batch} (batch_size x processes): resume with the global batch "
                 f"of the interrupted run ({state['global_batch']})"
+            )
+        was, now = state.get("global_batch"), self._global_batch()
+        if was is not None and now is not None and was != now and learn.collective.is_main:
+            # Allowed (an elastic job that lost a node resumes smaller), but never silently.
+            warnings.warn(
+                f"resuming {self.file} at a global batch of {now} (batch_size x "
+                f"{learn.collective.world_size} processes) where the interrupted run had {was}: "
+                "from here the run no longer equals the uninterrupted one",
+                GlobalBatchChangedWarning,
+                stacklevel=2,
             )
         # Everything is checked: now change the learner.
         if learn.opt is None:

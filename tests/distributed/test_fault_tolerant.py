@@ -48,6 +48,20 @@ def test_a_replica_of_several_processes_is_refused_in_one_line(monkeypatch):
             pass
 
 
+def test_batchnorm_and_sharding_are_refused_in_one_line_since_they_cannot_be_exact(monkeypatch):
+    # Each replica normalises over its share of a step: not one process's statistics of the whole batch.
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:1")
+    learn = tiny_learner()
+    learn.model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"BatchNorm \(1\) .* not exact"):
+        with learn.distrib_ctx(fault_tolerant=True):
+            pass
+    assert learn.cbs == []
+    with pytest.raises(ValueError, match="fault_tolerant=True and shard=True"):
+        with tiny_learner().distrib_ctx(fault_tolerant=True, shard=True):
+            pass
+
+
 @pytest.mark.timeout(60)
 def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_the_fix(monkeypatch):
     lighthouse = start_lighthouse(min_replicas=2)  # this replica is alone

@@ -48,6 +48,11 @@ def to_distributed(
     from unison.distributed.trainer import DistributedTrainer
 
     fault_tolerant = ddp_kwargs.pop("fault_tolerant", False)
+    if fault_tolerant and shard:
+        raise ValueError(
+            "distrib_ctx(fault_tolerant=True and shard=True): torchft replicas are not sharded here; "
+            "choose one (fault_tolerant keeps whole replicas, shard=True restarts on a fault)"
+        )
     trainer: Any
     if fault_tolerant:
         from unison.distributed.fault_tolerant import FaultTolerantTrainer

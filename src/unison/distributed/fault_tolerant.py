@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.callbacks.core import Callback
 from unison.data.batch import batch_size_of, map_tensors
@@ -159,6 +160,13 @@ class FaultTolerantTrainer(Callback):
                 f"distrib_ctx(fault_tolerant=True) runs replica groups of one process each, but this "
                 f"launch has {world} processes: start each replica as its own one-process job "
                 "(unison launch --nproc 1, or plain python), all pointing at one lighthouse"
+            )
+        norms = [name for name, m in self.learn.raw_model.named_modules() if isinstance(m, _BatchNorm)]
+        if norms:
+            raise ValueError(
+                f"distrib_ctx(fault_tolerant=True): the model's BatchNorm ({norms[0]}) would normalise over "
+                "each replica's share of a step, not exact; use GroupNorm/LayerNorm, or distrib_ctx() "
+                "(exact BatchNorm, restarts on a fault)"
             )
         if not self.lighthouse:
             raise ValueError(

@@ -251,11 +251,12 @@ _LOCK = threading.Lock()
 
 class RestartRefused(RuntimeError):
     """A restart that cannot succeed (the last attempt failed on a full disk, or stopped on a
-    non-finite loss or gradient that resuming from the last checkpoint meets again): the launch stops."""
+    non-finite loss or gradient that resuming from the last checkpoint meets again) or must not
+    happen (the workers stopped on a preemption signal): the launch stops."""
 
 
 #: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError", "NonFiniteError")
+_HOPELESS = ("DiskFullError", "NonFiniteError", "Preempted")  # Preempted: the job is to stop, checkpointed
 
 
 def pointless_restart(attempt_dir: str) -> str | None:

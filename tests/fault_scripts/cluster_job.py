@@ -131,7 +131,12 @@ dls = DataLoaders(
     DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8, shuffle=True, num_workers=args.loader_workers),
     DataLoader(TensorDataset(x[64:], y[64:]), batch_size=8),
 )
-learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), Cue()])
+# --keep-on-term: a worker that ignores SIGTERM (its handler alone; no preemption handling)
+on_preempt = None if args.keep_on_term else "stop"
+learn = Learner(
+    dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), Cue()],
+    on_preempt=on_preempt,
+)  # fmt: skip
 learn.recorder.print_table = False
 with learn.distrib_ctx():
     learn.fit_one_cycle(args.epochs, resume=True)

@@ -74,7 +74,9 @@ class RankLogsSpecs(LogsSpecs):
         attempt, self.attempts = self.attempts, self.attempts + 1
         if attempt:  # torch's agent restarts the workers: say so (its own log is silenced)
             hopeless = pointless_restart(os.path.join(self.root_log_dir, f"attempt_{attempt - 1}"))
-            if hopeless:
+            # A node (re)joining stops every worker with SIGTERM: they checkpoint and stop as on a
+            # preemption, and that restart goes on (from their checkpoint); a failure's does not.
+            if hopeless and not (" Preempted: " in hopeless and restart == self.restart):
                 raise RestartRefused(f"not restarting: {hopeless}")
             if restart != self.restart:
                 most = first.get("TORCHELASTIC_MAX_RESTARTS", "?")

@@ -70,20 +70,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest
 
 
-def moments() -> list[tuple[str, str, int, str, float]]:
-    """(phase, to, rank, signal, delay): the suite's three, then random ones up to UNISON_PREEMPT_RUNS."""
+def moments() -> list[tuple[str, str, int, str, float, int]]:
+    """(phase, to, rank, signal, delay, step): the suite's three, then random ones up to
+    UNISON_PREEMPT_RUNS; UNISON_PREEMPT_SEED makes every draw (steps and delays too) repeatable."""
+    rng = random.Random(int(os.environ.get("UNISON_PREEMPT_SEED", time.time_ns() % 10_000)))
     chosen = [
         ("validate", "launcher", 0, "SIGUSR1", 0.0),
         ("save", "self", 0, "SIGTERM", 0.0),  # rank 0 alone: it writes the checkpoint; rank 1 agrees
-        ("outside", "launcher", 0, "SIGTERM", random.uniform(0.0, 1.0)),
+        ("outside", "launcher", 0, "SIGTERM", rng.uniform(0.0, 1.0)),
     ]
-    rng = random.Random(int(os.environ.get("UNISON_PREEMPT_SEED", time.time_ns() % 10_000)))
     while len(chosen) < int(os.environ.get("UNISON_PREEMPT_RUNS", "3")):
         phase = rng.choice(["step", "validate", "save", "outside"])
         to = "launcher" if phase == "outside" else rng.choice(["launcher", "self"])
         rank = 0 if phase == "save" or to == "launcher" else rng.choice([0, 1])
         chosen.append((phase, to, rank, rng.choice(["SIGTERM", "SIGUSR1"]), rng.uniform(0.0, 1.5)))
-    return chosen
+    # the cue's step ("validate" and "save" act at or after it)
+    return [(*moment, rng.randint(1, STEPS - 4)) for moment in chosen]
 
 
 @pytest.mark.slow
@@ -91,10 +93,8 @@ def moments() -> list[tuple[str, str, int, str, float]]:
 def test_a_signal_at_random_moments_ends_75_in_the_grace_and_resumes_to_the_same_weights(
     tmp_path: Path, uninterrupted: str
 ) -> None:
-    rng = random.Random()
-    for i, (phase, to, rank, signame, delay) in enumerate(moments()):
+    for i, (phase, to, rank, signame, delay, at) in enumerate(moments()):
         folder = tmp_path / f"run{i}"
-        at = rng.randint(1, STEPS - 4)  # the cue's step; "validate" and "save" act at or after it
         what = f"run {i}: {signame} to the {to} (rank {rank}) at {phase}, step {at}, delay {delay:.2f}"
         print(what)
         restarts = ["--max-restarts", "1"] if to == "self" else []

@@ -59,7 +59,7 @@ class Preempted(SystemExit):
     A `SystemExit`, so a script's `except Exception` does not swallow it and nothing after `fit`
     runs as if training had finished. `saved` is the checkpoint written (None when none was).
 
-    >>> str(Preempted("SIGTERM", epoch=1, step=4, saved=None))[:61]
+    >>> str(Preempted("SIGTERM", epoch=1, step=4, saved=None)).split(";")[0]
     'preempted by SIGTERM: every rank stopped in epoch 1, after step 4'
     """
 

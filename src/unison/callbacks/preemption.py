@@ -5,10 +5,12 @@ SIGTERM, and `sbatch --signal=USR1@90` sends SIGUSR1 ninety seconds ahead. The `
 callback (`Learner(on_preempt="stop" | "requeue" | None)`). While `fit` runs:
 
 1. the signal's handler only sets a flag (a handler the script had is still called after it);
-2. at each optimizer step's end (after `Checkpoint` had its turn) and at each epoch's end, every
-   rank learns whether any rank got the signal: one all-reduce of one number per step (none on one
-   process). A signal may reach one rank only, or ranks at different steps: all stop at the same
-   boundary, the first one after any rank saw it;
+2. at optimizer steps' ends (after `Checkpoint` had its turn) and at each epoch's end, every
+   rank learns whether any rank got the signal: on W > 1 processes one all-reduce of two numbers
+   about every `CHECK_EVERY_S` (0.5 s) of training, at every step when steps are longer (the
+   ranks compute the same next step to check from the reduced step time); on one process, at
+   every step, without a collective. A signal may reach one rank only, or ranks at different
+   steps: all stop at the same boundary, the first checked one after any rank saw it;
 3. then the `Checkpoint` callback, if the fit has one, writes the checkpoint at once whatever its
    `every` (atomically, as always; not twice when it had just written this step's), or one line
    says that nothing was saved;
@@ -35,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
@@ -49,6 +52,10 @@ if TYPE_CHECKING:
 
 OnPreempt = Literal["stop", "requeue"]
 REQUEUE_ENV = "UNISON_REQUEUE"
+#: On several processes the ranks agree about this often (seconds of training), and at every step
+#: when steps are longer: one tiny all-reduce every step cost a small model 10% (docs/faults.md).
+CHECK_EVERY_S = 0.5
+MAX_STEPS_BETWEEN = 1000
 
 __all__ = ["PREEMPTED_EXIT", "Preempted", "Preemption", "handling"]
 
@@ -110,23 +117,35 @@ class Preemption(Callback):
         self.requeue = _truthy(os.environ.get(REQUEUE_ENV)) if requeue is None else bool(requeue)
         self.received: signal.Signals | None = None
         self._saves_before = 0
+        self._ckpt: Checkpoint | None = None
+        self._steps = self._next_check = self._since = 0
+        self._checked_at = 0.0
 
     def notice(self, sig: signal.Signals) -> None:
         """What the signal handler does: note it (the first one), nothing else."""
         if self.received is None:
             self.received = sig
 
+    def before_fit(self) -> None:
+        from unison.checkpoint.callback import Checkpoint
+
+        self._ckpt = next((cb for cb in self.learn.cbs if isinstance(cb, Checkpoint)), None)
+        self._steps, self._next_check = 0, 1  # optimizer steps of this fit; the first is checked
+        self._checked_at, self._since = time.perf_counter(), 0
+
     def before_batch(self) -> None:
-        ckpt = self._checkpoint()
-        if self.learn.training and ckpt is not None:
-            self._saves_before = ckpt.saves
+        if self.learn.training and self._ckpt is not None:
+            self._saves_before = self._ckpt.saves
 
     def after_batch(self) -> None:
         learn = self.learn
-        if learn.training and learn.grad_sync:  # a real optimizer step has ended
-            ckpt = self._checkpoint()
-            saved_now = ckpt is not None and ckpt.saves != self._saves_before  # its `every` fell here
-            self._stop_if_agreed((learn.epoch, learn.iter + 1), learn.iter + 1, saved_now)
+        if not (learn.training and learn.grad_sync):  # only where a real optimizer step has ended
+            return
+        self._steps += 1
+        if self._steps < self._next_check:
+            return
+        saved_now = self._ckpt is not None and self._ckpt.saves != self._saves_before  # its `every` fell here
+        self._stop_if_agreed((learn.epoch, learn.iter + 1), learn.iter + 1, saved_now)
 
     def after_epoch(self) -> None:
         # Checkpoint.after_epoch (order 90) has just written the epoch's end, if the fit has one.
@@ -134,19 +153,26 @@ class Preemption(Callback):
         self._stop_if_agreed((learn.epoch + 1, 0), None, saved_now=True)
 
     # ---- the decision and what follows it -----------------------------------------------------
-    def _checkpoint(self) -> Checkpoint | None:
-        from unison.checkpoint.callback import Checkpoint
-
-        found = next((cb for cb in self.learn.cbs if isinstance(cb, Checkpoint)), None)
-        return found  # type: ignore[return-value]
-
     def agreed(self) -> bool:
-        """Whether any rank got a preemption signal: the same answer on every rank (one all-reduce)."""
+        """Whether any rank got a preemption signal: the same answer on every rank.
+
+        On W > 1 processes one all-reduce carries the flag and each rank's mean step time since
+        the last check, from which every rank computes the same next step to check: about every
+        `CHECK_EVERY_S` of training, and every step when steps are longer. One process reads its
+        flag at every step."""
         collective = self.learn.collective
         flag = 0.0 if self.received is None else 1.0
         if collective.world_size == 1:
             return flag > 0
-        return bool(collective.sum(torch.tensor([flag], dtype=torch.float64))[0] > 0)
+        now, steps = time.perf_counter(), max(1, self._steps - self._since)
+        mine = torch.tensor([flag, (now - self._checked_at) / steps], dtype=torch.float64)
+        total = collective.sum(mine)
+        step_s = float(total[1]) / collective.world_size
+        self._checked_at, self._since = now, self._steps
+        self._next_check = self._steps + max(
+            1, min(MAX_STEPS_BETWEEN, int(CHECK_EVERY_S / max(step_s, 1e-9)))
+        )
+        return bool(total[0] > 0)
 
     def _stop_if_agreed(self, position: tuple[int, int], step: int | None, saved_now: bool) -> None:
         """`position`: (epoch, batches done) a checkpoint written now records; `step`: the steps of
@@ -157,7 +183,7 @@ class Preemption(Callback):
         collective = learn.collective
         names = collective.gather_objects(self.received.name if self.received is not None else None)
         signame = next((n for n in names if n), "a preemption signal")
-        ckpt = self._checkpoint()
+        ckpt = self._ckpt
         saved: str | None = None
         if ckpt is not None:
             if not saved_now:

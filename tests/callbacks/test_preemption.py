@@ -201,6 +201,49 @@ def test_on_preempt_none_leaves_the_signal_to_python(tmp_path: Path) -> None:
     assert done.returncode == -signal.SIGUSR1, done.stderr[-2000:]
 
 
+class HangAfterSignal(Callback):
+    """Sends SIGTERM to this process after step `at`, then hangs in that step (a sleep)."""
+
+    def __init__(self, at: int):
+        self.at, self.steps = at, 0
+
+    def after_step(self) -> None:
+        import time
+
+        self.steps += 1
+        if self.steps == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+
+
+def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_path: Path) -> None:
+    """torch's agent stops the survivors of a failed rank with SIGTERM; one that is hung (it will never
+    reach a step boundary) must end as SIGTERM's default action ends it, not hold the job for the
+    launcher's whole grace: after STALL_S (3 s) without a batch it is killed by the signal (checked
+    in a child: the process dies)."""
+    import subprocess
+    import sys
+    import time
+
+    from unison.callbacks.preemption import STALL_S
+
+    code = (
+        "import os, sys; sys.path[:0] = [os.environ['SRC']]\n"
+        "from tests.callbacks.test_preemption import _learner, _fit, HangAfterSignal\n"
+        f"_fit(_learner({str(tmp_path)!r}, cbs=[HangAfterSignal(2)]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    sent = (tmp_path / "models" / "checkpoint.pth").exists()  # not reached: it never got to a boundary
+    assert not sent
+    print(f"seconds from start to its end: {time.monotonic() - start:.1f} (stall limit {STALL_S} s)")
+    assert time.monotonic() - start < 45  # not the 60 s sleep
+
+
 # ---- which signals ---------------------------------------------------------------------------------
 def test_signal_names_numbers_and_the_environment() -> None:
     assert parse_signals("SIGTERM, usr1,12") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

@@ -20,6 +20,10 @@ callback (`Learner(on_preempt="stop" | "requeue" | None)`). While `fit` runs:
    EX_TEMPFAIL: "try again"). `unison launch` passes it on as the job's status and never restarts
    into it; the job resubmitted with `fit(..., resume=True)` ends on the uninterrupted weights.
 
+A rank that completes no batch for `STALL_S` after the signal (or 3x its slowest batch) and has not
+agreed to stop is stuck (torch's agent stops the survivors of a failed rank with SIGTERM too): the
+signal is sent to it again and left to its default action, so it ends at once, as it did before.
+
 Which signals: `Preemption(signals=...)`, else `UNISON_PREEMPT_SIGNALS`, else the launcher's
 `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun's and `unison launch`'s `--signals-to-handle`, which
 its workers inherit) without SIGINT (Ctrl-C stays an interrupt), else SIGTERM and SIGUSR1. The
@@ -56,6 +60,11 @@ REQUEUE_ENV = "UNISON_REQUEUE"
 #: when steps are longer: one tiny all-reduce every step cost a small model 10% (docs/faults.md).
 CHECK_EVERY_S = 0.5
 MAX_STEPS_BETWEEN = 1000
+#: After a signal, a rank that completes no batch for this long (or 3x its slowest batch, if
+#: longer) is stuck: it ends as the signal's default action would, as it did before it was
+#: handled. torch's agent stops the survivors of a failed rank with SIGTERM too, and a hung one
+#: must not hold the job for the launcher's whole shutdown grace.
+STALL_S = 3.0
 
 __all__ = ["PREEMPTED_EXIT", "Preempted", "Preemption", "handling"]
 
@@ -120,6 +129,8 @@ class Preemption(Callback):
         self._ckpt: Checkpoint | None = None
         self._steps = self._next_check = self._since = 0
         self._checked_at = 0.0
+        self.progress_at = self.slowest = 0.0  # when the last batch ended; the longest between two
+        self.decided = False  # the ranks agreed to stop: no stall escalation from here on
 
     def notice(self, sig: signal.Signals) -> None:
         """What the signal handler does: note it (the first one), nothing else."""
@@ -133,12 +144,20 @@ class Preemption(Callback):
         self._steps, self._next_check = 0, 1  # optimizer steps of this fit; the first is checked
         self._checked_at, self._since = time.perf_counter(), 0
 
+    def stall_limit(self) -> float:
+        """Seconds without a batch after which a signalled rank counts as stuck (`STALL_S`)."""
+        return max(STALL_S, 3 * self.slowest)
+
     def before_batch(self) -> None:
         if self.learn.training and self._ckpt is not None:
             self._saves_before = self._ckpt.saves
 
     def after_batch(self) -> None:
         learn = self.learn
+        now = time.monotonic()  # progress, training or validation: a signalled rank is not stuck
+        if self.progress_at:
+            self.slowest = max(self.slowest, now - self.progress_at)
+        self.progress_at = now
         if not (learn.training and learn.grad_sync):  # only where a real optimizer step has ended
             return
         self._steps += 1
@@ -179,6 +198,7 @@ class Preemption(Callback):
         this epoch done (None at its end), for the message."""
         if not self.agreed():
             return
+        self.decided = True
         learn = self.learn
         collective = learn.collective
         names = collective.gather_objects(self.received.name if self.received is not None else None)
@@ -239,12 +259,21 @@ def handling(learn: Any) -> Iterator[None]:
             print(note, file=sys.stderr)
         yield
         return
-    cb.received = None
+    cb.received, cb.decided, cb.progress_at = None, False, time.monotonic()
     previous: dict[signal.Signals, Any] = {}
+    escalate = threading.Event()
+    done = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        cb.notice(signal.Signals(signum))
-        chained = previous.get(signal.Signals(signum))
+        sig = signal.Signals(signum)
+        if escalate.is_set():  # stuck since the signal: end as its default action would
+            signal.signal(sig, previous.get(sig) or signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if cb.received is None:
+            threading.Thread(target=_watch_stall, args=(cb, sig, escalate, done), daemon=True).start()
+        cb.notice(sig)
+        chained = previous.get(sig)
         if callable(chained) and chained is not signal.default_int_handler:
             chained(signum, frame)  # the script's own handler, after the flag is set
 
@@ -253,5 +282,23 @@ def handling(learn: Any) -> Iterator[None]:
     try:
         yield
     finally:
+        done.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _watch_stall(
+    cb: Preemption, sig: signal.Signals, escalate: threading.Event, done: threading.Event
+) -> None:
+    """After a signal: if this rank completes no batch within `cb.stall_limit()` and the ranks have
+    not agreed to stop, send the signal again, which the handler then leaves to its default action
+    (a hung rank, which torch's agent stops with SIGTERM when another rank failed, ends at once)."""
+    signalled = time.monotonic()
+    while not done.wait(0.1):
+        if cb.decided:
+            return
+        if time.monotonic() - max(signalled, cb.progress_at) > cb.stall_limit():
+            escalate.set()
+            # to the main thread: its blocking call (a sleep, a wait) is interrupted and the handler runs
+            signal.pthread_kill(threading.main_thread().ident or 0, sig)
+            return

@@ -39,6 +39,7 @@ parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps")
 parser.add_argument("--on-preempt", default="stop")
+parser.add_argument("--shard", action="store_true", help="FSDP2: distrib_ctx(shard=True)")
 args = parser.parse_args()
 os.makedirs(args.dir, exist_ok=True)
 SENT = os.path.join(args.dir, "sent")
@@ -101,7 +102,7 @@ learn = Learner(
     on_preempt=on_preempt,
 )  # fmt: skip
 learn.recorder.print_table = False
-with learn.distrib_ctx():
+with learn.distrib_ctx(shard=args.shard):
     learn.fit_one_cycle(args.epochs, resume=True)
 digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in learn.raw_model.state_dict().values()))
 print(f"WEIGHTS rank{rank_distrib()} {digest.hexdigest()}", flush=True)

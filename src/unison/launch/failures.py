@@ -29,7 +29,7 @@ def preempted_headline(attempt_dir: str | os.PathLike[str]) -> str | None:
     record `Preempted` in torch's error file (`rank<R>.error.json`) before they exit 75.
 
     >>> preempted_headline("/tmp/logs/attempt_0")
-    'Preempted: preempted by SIGTERM: every rank stopped after epoch 0, step 3; checkpoint written to ...'
+    'Preempted: preempted by SIGTERM: every rank stopped in epoch 0, after step 3; checkpoint written to ...'
     """
     for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
         try:
@@ -56,7 +56,7 @@ def preempted_status(log_dir: str, signame: str | None) -> str | None:
     they did not.
 
     >>> preempted_status("/tmp/logs", "SIGTERM")
-    'unison launch: preempted (SIGTERM reached the workers): every rank stopped after epoch 0, ...'
+    'unison launch: preempted (SIGTERM reached the launcher and its workers): every rank stopped in ...'
     """
     attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     headline = preempted_headline(attempts[-1]) if attempts else None

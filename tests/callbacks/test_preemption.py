@@ -184,6 +184,7 @@ def test_without_a_checkpoint_callback_one_line_says_nothing_was_saved(tmp_path:
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter: about 5 s
 def test_on_preempt_none_leaves_the_signal_to_python(tmp_path: Path) -> None:
     """No handler is installed: SIGUSR1 ends the process as Python's default does (checked in a child)."""
     import subprocess
@@ -216,6 +217,7 @@ class HangAfterSignal(Callback):
             time.sleep(60)
 
 
+@pytest.mark.slow  # a fresh interpreter: about 6 s
 def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_path: Path) -> None:
     """torch's agent stops the survivors of a failed rank with SIGTERM; one that is hung (it will never
     reach a step boundary) must end as SIGTERM's default action ends it, not hold the job for the

@@ -20,7 +20,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import DataLoaders, Learner, accuracy, set_seed
+from unison import Checkpoint, DataLoaders, Learner, accuracy, set_seed
 from unison.distributed import rank_distrib
 
 parser = argparse.ArgumentParser(description="Small CNN on scikit-learn's digits with unison.")
@@ -28,6 +28,9 @@ parser.add_argument("--epochs", type=int, default=8, help="number of epochs")
 parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate of the one-cycle schedule")
 parser.add_argument("--bs", type=int, default=64, help="batch size per process")
 parser.add_argument("--out", type=Path, default=Path("."), help="folder for loss.png and models/")
+parser.add_argument(
+    "--every", type=int, help="Checkpoint(every=N) and fit(resume=True): a run stopped or preempted goes on"
+)
 args = parser.parse_args()
 start = time.perf_counter()
 set_seed(42)
@@ -58,11 +61,12 @@ def conv_block(c_in: int, c_out: int) -> nn.Sequential:
 
 
 model = nn.Sequential(conv_block(1, 32), conv_block(32, 64), nn.Flatten(), nn.Linear(64 * 2 * 2, 10))
-learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=[accuracy], path=args.out)
+cbs = [Checkpoint(every=args.every)] if args.every else []  # a preemption signal also writes one at once
+learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=[accuracy], path=args.out, cbs=cbs)
 
 # Training: a plain run here, data-parallel under `unison launch` (BatchNorm synchronised).
 with learn.distrib_ctx():
-    learn.fit_one_cycle(args.epochs, args.lr)
+    learn.fit_one_cycle(args.epochs, args.lr, resume=bool(args.every))
     valid_loss, valid_acc = learn.validate()  # exact over the whole valid set, on every rank
     learn.recorder.plot_loss(args.out / "loss.png")  # rank 0 writes
     model_file = learn.save("digits")  # rank 0 writes, atomically

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         TrackerCallback,
     )
     from unison.callbacks.nonfinite import NonFiniteCheck, NonFiniteError, NonFiniteWarning
+    from unison.callbacks.preemption import Preempted, Preemption
     from unison.checkpoint.errors import CheckpointError
     from unison.data import DataLoaders, to_device
     from unison.launch.spawn import SpawnError, mp_spawn, spawn
@@ -90,6 +91,8 @@ _EXPORTS = {
     "NonFiniteCheck": "unison.callbacks.nonfinite",
     "NonFiniteError": "unison.callbacks.nonfinite",
     "NonFiniteWarning": "unison.callbacks.nonfinite",
+    "Preempted": "unison.callbacks.preemption",
+    "Preemption": "unison.callbacks.preemption",
     "TokenCrossEntropy": "unison.losses",
     "AccumMetric": "unison.metrics",
     "AvgMetric": "unison.metrics",
@@ -136,6 +139,8 @@ __all__ = [
     "NonFiniteCheck",
     "NonFiniteError",
     "NonFiniteWarning",
+    "Preempted",
+    "Preemption",
     "SummedLoss",
     "TensorBoardLogger",
     "TokenCrossEntropy",

@@ -54,6 +54,7 @@ from unison.callbacks.core import (
 from unison.callbacks.defaults import default_callbacks
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode
+from unison.callbacks.preemption import OnPreempt, handling
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
 from unison.checkpoint import learner_files
@@ -107,6 +108,8 @@ class Learner:
     `torch.compile` options) compiles the model. `steps_per_epoch` bounds a training epoch
     over a stream (an `IterableDataset`) and gives its length when the dataset has no `len()`;
     `stream_split="by_node"` lets a Hugging Face stream read 1/W of itself per rank (not exact).
+    `on_preempt`: on SIGTERM / SIGUSR1 every rank stops at one step, checkpointed, exit status 75
+    ("requeue" also requeues a SLURM job; None: Python's default action; `unison.callbacks.preemption`).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class Learner:
         steps_per_epoch: int | None = None,
         stream_split: str = "exact",
         on_nonfinite: Mode | None = "stop",
+        on_preempt: OnPreempt | None = "stop",
     ):
         check_learner_args(dls, model, loss_func, opt_func, lr, steps_per_epoch)
         self.dls = dls
@@ -170,8 +174,8 @@ class Learner:
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
         self.recorder = Recorder()
-        if default_cbs:  # recorder, progress bars, the non-finite check (callbacks/defaults.py)
-            self.add_cbs(default_callbacks(self.recorder, on_nonfinite))
+        if default_cbs:  # recorder, progress bars, non-finite check, preemption (callbacks/defaults.py)
+            self.add_cbs(default_callbacks(self.recorder, on_nonfinite, on_preempt))
         self.add_cbs(cbs)
         attach_if_checking(self)  # only under `unison check-exact`: records the first steps
 
@@ -252,7 +256,7 @@ class Learner:
         refuse_empty_train(self.dls.train)
         if any(isinstance(cb, OneCycleScheduler) for cb in [*self.cbs, *cbs]):
             refuse_unknown_length(self.dls.train, self.steps_per_epoch)
-        with self.added_cbs(cbs):
+        with self.added_cbs(cbs), handling(self):  # preemption signals, handled while fit runs
             if self.opt is None:
                 self.create_opt()
             if lr is not None:

@@ -133,7 +133,12 @@ dls = DataLoaders(
     DataLoader(TensorDataset(x[64:], y[64:]), batch_size=8),
 )
 cue = Cue()
-learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), cue])
+# --keep-on-term: a worker that ignores SIGTERM (its handler alone; no preemption handling)
+on_preempt = None if args.keep_on_term else "stop"
+learn = Learner(
+    dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), cue],
+    on_preempt=on_preempt,
+)  # fmt: skip
 learn.recorder.print_table = False
 with learn.distrib_ctx():
     learn.fit_one_cycle(args.epochs, resume=True)

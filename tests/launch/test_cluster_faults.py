@@ -279,11 +279,12 @@ def terminate_like_a_kubelet(job: Job) -> float:
 
 
 def test_sigterm_stops_every_worker_within_the_grace_period(tmp_path: Path) -> None:
-    """Two jobs at once: in one the workers end on SIGTERM (Python's default), in the other they note
-    it and go on (a handler of their own), so the launcher kills them when its shutdown grace is over
-    (`--shutdown-timeout 3` here, to keep the test short; the default is checked below). Both end
-    inside the cluster's grace with 143 naming the signal, the second naming the workers it had to
-    kill (it said nothing of them), and leave nothing."""
+    """Two jobs at once: in one the workers stop on SIGTERM as a Learner does (every rank at one step,
+    checkpointed: exit 75, "preempted"; tests/launch/test_preemption_launch.py resumes such jobs), in
+    the other they note it and go on (a handler of their own, no preemption handling), so the
+    launcher kills them when its shutdown grace is over (`--shutdown-timeout 3` here, to keep the
+    test short; the default is checked below). Both end inside the cluster's grace, the second with
+    143 naming the signal and the workers it had to kill (it said nothing of them); nothing is left."""
     slow = ["--cue-rank", "1", "--cue", "mark", "--step-s", "0.3"]
     plain_args = [*slow, "--epochs", "6"]  # trains for 6 s more
     plain = Job(tmp_path / "plain", "--timeout", "10", "--max-restarts", "2", nproc=2, script_args=plain_args)
@@ -303,9 +304,11 @@ def test_sigterm_stops_every_worker_within_the_grace_period(tmp_path: Path) -> N
         t.start()
     for t in threads:
         t.join(WAIT_S + GRACE_S)
+    assert plain.rc == 75, plain.err[-3000:]
+    assert "unison launch: preempted (SIGTERM reached the launcher and its workers)" in plain.err
+    assert stubborn.rc == 128 + signal.SIGTERM, stubborn.err[-3000:]
+    assert "unison launch: stopped by SIGTERM" in stubborn.err, stubborn.err[-3000:]
     for job in (plain, stubborn):
-        assert job.rc == 128 + signal.SIGTERM, job.err[-3000:]
-        assert "unison launch: stopped by SIGTERM" in job.err, job.err[-3000:]
         assert "restarting" not in job.err
     print(f"seconds from SIGTERM to the launcher's end: {took}")
     assert took["plain"] < 10, took

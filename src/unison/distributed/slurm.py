@@ -163,3 +163,45 @@ def launcher_layout(env: Mapping[str, str]) -> tuple[int, int, str, int] | None:
     port = env.get("MASTER_PORT")
     addr = env.get("MASTER_ADDR") or first_host(env)
     return nodes, int(env.get("SLURM_NODEID", "0")), addr, int(port) if port else job_port(env)
+
+
+def job_to_requeue(env: Mapping[str, str]) -> str | None:
+    """The id `scontrol requeue` takes for this job: `<array job>_<task>` in an array job, else the job id.
+
+    >>> job_to_requeue({"SLURM_JOB_ID": "1207", "SLURM_ARRAY_JOB_ID": "1200", "SLURM_ARRAY_TASK_ID": "7"})
+    '1200_7'
+    """
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+
+
+def requeue(env: Mapping[str, str]) -> str:
+    """Run `scontrol requeue <job>` (see `job_to_requeue`); return one line saying what happened.
+    Never raises: outside SLURM, without `scontrol` (a container), or when it fails, the line says
+    so and names what to do instead. Called by rank 0 once a preempted run's checkpoint is written.
+
+    >>> requeue({})
+    'requeue asked, but this is not a SLURM job (no SLURM_JOB_ID): resubmit it yourself'
+    """
+    job = job_to_requeue(env)
+    if job is None:
+        return "requeue asked, but this is not a SLURM job (no SLURM_JOB_ID): resubmit it yourself"
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        return (
+            f"requeue asked, but scontrol is not on PATH (a container without SLURM's tools?): job {job} "
+            f"was not requeued; resubmit it, or make scontrol reachable in the container"
+        )
+    try:
+        done = subprocess.run(
+            [scontrol, "requeue", job], capture_output=True, text=True, timeout=30, env=dict(env)
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed ({type(exc).__name__}: {exc}): resubmit the job yourself"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        why = said[-1] if said else f"exit status {done.returncode}"
+        return f"scontrol requeue {job} failed ({why}): resubmit the job yourself (sbatch --requeue lets it)"
+    return f"job {job} requeued (scontrol requeue {job})"

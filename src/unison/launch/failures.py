@@ -14,11 +14,58 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from unison.launch.signals import PREEMPTED_EXIT
+
 if TYPE_CHECKING:  # torch is imported only once a launch starts: option errors come first (fast)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+
+def preempted_headline(attempt_dir: str | os.PathLike[str]) -> str | None:
+    """The message of a rank that stopped on a preemption signal in that attempt, or None: workers
+    record `Preempted` in torch's error file (`rank<R>.error.json`) before they exit 75.
+
+    >>> preempted_headline("/tmp/logs/attempt_0")
+    'Preempted: preempted by SIGTERM: every rank stopped in epoch 0, after step 3; checkpoint written to ...'
+    """
+    for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
+        try:
+            message = json.loads(error_file.read_text())["message"]
+            headline = str(message["message"] if isinstance(message, dict) else message)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if headline.startswith("Preempted:"):
+            return headline.strip()
+    return None
+
+
+def said_preempted(log_dir: str, signame: str | None) -> bool:
+    """Print the launcher's line for a preempted job (`preempted_status`) and return True; else False."""
+    line = preempted_status(log_dir, signame)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    return line is not None
+
+
+def preempted_status(log_dir: str, signame: str | None) -> str | None:
+    """The launcher's line for a job whose workers stopped on a preemption signal (they wrote their
+    checkpoint and exited `PREEMPTED_EXIT`), read from the newest attempt's error files; None when
+    they did not.
+
+    >>> preempted_status("/tmp/logs", "SIGTERM")
+    'unison launch: preempted (SIGTERM reached the launcher and its workers): every rank stopped in ...'
+    """
+    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    headline = preempted_headline(attempts[-1]) if attempts else None
+    if headline is None:
+        return None
+    said = headline.removeprefix("Preempted:").strip()
+    said = said.split(": ", 1)[1] if said.startswith("preempted by ") and ": " in said else said
+    how = f"{signame} reached the launcher and its workers" if signame else "a signal reached the workers"
+    return f"unison launch: preempted ({how}): {said}; exit status {PREEMPTED_EXIT} (resume me)"
 
 
 class WorkerLogs(Protocol):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from unison.launch.environ import exported, quiet_torch_logs
-from unison.launch.failures import failure_summary, unreadable_error_files
+from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import (
     LaunchError,
@@ -50,6 +50,7 @@ from unison.launch.rendezvous import (
     rdzv_failure_hint,
     rdzv_store_configs,
 )
+from unison.launch.signals import PREEMPTED_EXIT
 from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
@@ -98,6 +99,9 @@ torchrun's options are accepted with torchrun's meaning (-m, --standalone, --rdz
 an elastic c10d rendezvous, and --logs-specs is refused (use --log-dir).
 On failure: one summary naming the first failing rank, its exit code or signal and the end of
 its traceback; the exit status is the worker's (128+N for signal N); 2 for bad options.
+Preempted: a signal of --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1) is
+forwarded to the workers; a Learner's ranks stop at one step, write their checkpoint and exit 75,
+which is the job's status ("resume me"), never restarted into (docs/faults.md, Preemption).
 --max-restarts K: torch's agent restarts every worker up to K times (a script resumes with a
 Checkpoint callback and fit(resume=True)); across machines this needs --rdzv-endpoint.
 """
@@ -436,14 +440,20 @@ def launch(opts: LaunchOptions) -> int:
                 launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
+        if said_preempted(log_dir, None):  # the signal reached the workers, not this launcher
+            return PREEMPTED_EXIT
         kept = os.path.abspath(log_dir) if keep_logs else None
         summary, code = failure_summary(err, plan.logs if plan else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
     except RestartRefused as refused:
+        if said_preempted(log_dir, None):  # never restarted into
+            return PREEMPTED_EXIT
         print(f"unison launch: {refused}", file=sys.stderr, flush=True)
         return 1
     except SignalException as sig:
+        if said_preempted(log_dir, sig.sigval.name):  # the workers checkpointed and stopped
+            return PREEMPTED_EXIT
         grace = plan.config.shutdown_timeout if plan else None
         late = plan.logs.stragglers(sig.sigval.name, grace) if plan and plan.logs else ""
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down{late}", file=sys.stderr)

@@ -74,7 +74,9 @@ class RankLogsSpecs(LogsSpecs):
         attempt, self.attempts = self.attempts, self.attempts + 1
         if attempt:  # torch's agent restarts the workers: say so (its own log is silenced)
             hopeless = pointless_restart(os.path.join(self.root_log_dir, f"attempt_{attempt - 1}"))
-            if hopeless:
+            # A node (re)joining stops every worker with SIGTERM: they checkpoint and stop as on a
+            # preemption, and that restart goes on (from their checkpoint); a failure's does not.
+            if hopeless and not (" Preempted: " in hopeless and restart == self.restart):
                 raise RestartRefused(f"not restarting: {hopeless}")
             if restart != self.restart:
                 most = first.get("TORCHELASTIC_MAX_RESTARTS", "?")
@@ -251,11 +253,12 @@ _LOCK = threading.Lock()
 
 class RestartRefused(RuntimeError):
     """A restart that cannot succeed (the last attempt failed on a full disk, or stopped on a
-    non-finite loss or gradient that resuming from the last checkpoint meets again): the launch stops."""
+    non-finite loss or gradient that resuming from the last checkpoint meets again) or must not
+    happen (the workers stopped on a preemption signal): the launch stops."""
 
 
 #: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError", "NonFiniteError")
+_HOPELESS = ("DiskFullError", "NonFiniteError", "Preempted")  # Preempted: the job is to stop, checkpointed
 
 
 def pointless_restart(attempt_dir: str) -> str | None:

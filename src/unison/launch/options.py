@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
 from typing import Any
 
+from unison.launch.signals import launcher_signals
+
 __all__ = [
     "LaunchError",
     "TorchrunChoices",
@@ -83,7 +85,12 @@ def add_torchrun_options(p: argparse.ArgumentParser) -> None:
     add(*_both("local-addr"), metavar="H", help="this machine's address for the rendezvous")
     add(*_both("logs-specs"), metavar="NAME", help="refused: unison writes its own per-rank logs")
     add(*_both("numa-binding"), metavar="MODE", help="bind workers to CPUs near their GPU (CUDA only)")
-    add(*_both("signals-to-handle"), default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", metavar="SIGS")
+    add(
+        *_both("signals-to-handle"),
+        metavar="SIGS",
+        help="forwarded to the workers (SIGTERM,SIGINT,SIGHUP,"
+        "SIGQUIT,SIGUSR1; or TORCHELASTIC_SIGNALS_TO_HANDLE); they checkpoint and exit 75 on it",
+    )
     add(*_both("shutdown-timeout"), type=int, metavar="S", help="seconds before stopped workers are killed")
     add(*_both("virtual-local-rank"), action="store_true", help="LOCAL_RANK 0 everywhere, one GPU each")
     add(*_both("use-env"), action="store_true", help="torch.distributed.launch's: always so here")
@@ -254,7 +261,7 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
         "monitor_interval": a.monitor_interval,
         "start_method": a.start_method,
         "event_log_handler": a.event_log_handler,
-        "signals_to_handle": a.signals_to_handle,
+        "signals_to_handle": _signals(a.signals_to_handle),
         "virtual_local_rank": a.virtual_local_rank,
     }
     if not a.monitor_interval > 0:
@@ -283,6 +290,14 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
         agent=agent,
         notes=tuple(notes),
     )
+
+
+def _signals(given: str | None) -> str:
+    """torch's spelling of the signals the agent handles (see `unison.launch.signals`)."""
+    try:
+        return launcher_signals(given)
+    except ValueError as exc:
+        raise LaunchError(f"--signals-to-handle: {exc}") from None
 
 
 def _numa(mode: str) -> Any:

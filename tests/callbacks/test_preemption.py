@@ -1,0 +1,319 @@
+"""Preemption on one process: a real signal at random moments (a step, validation, a checkpoint
+write), a checkpoint written at once whatever `every`, exit status 75, and the resumed run on the
+weights of an uninterrupted one; the signal handlers given back after fit; SLURM's requeue with a
+fake `scontrol` on PATH (a shell script that records its arguments) and without one.
+
+Multi-process jobs under `unison launch` are in tests/launch/test_preemption_launch.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
+from unison.callbacks.preemption import PREEMPTED_EXIT, Preempted, Preemption
+from unison.checkpoint import callback as checkpoint_callback
+from unison.distributed.slurm import job_to_requeue, requeue
+from unison.launch.signals import launcher_signals, parse_signals, preempt_signals
+
+EPOCHS, STEPS = 3, 6  # 48 items, batch 8: 6 steps an epoch, 18 in all
+
+
+def _learner(path: Path, every: int | None = 4, cbs=(), **kwargs) -> Learner:
+    set_seed(0)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 5, generator=g)
+    y = (x.sum(1) > 0).long()
+    dls = DataLoaders(
+        DataLoader(TensorDataset(x[:48], y[:48]), batch_size=8, shuffle=True),
+        DataLoader(TensorDataset(x[48:], y[48:]), batch_size=8),
+    )
+    model = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    ckpt = [Checkpoint(every=every)] if every != 0 else []
+    learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=path, cbs=[*ckpt, *cbs], **kwargs)
+    learn.data_seed = 1234
+    return learn
+
+
+def _fit(learn: Learner, resume: bool = False) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+        learn.fit_one_cycle(EPOCHS, lr_max=1e-2, resume=resume)
+
+
+def _weights(learn: Learner) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in learn.raw_model.state_dict().values()]
+
+
+class SignalAt(Callback):
+    """Sends `sig` to this very process (a real signal: the kernel delivers it, Python runs the
+    handler) once, at training step `at` ("step"), in the first validation batch after it
+    ("validate"), or as the first checkpoint write after it begins ("save")."""
+
+    order = 96
+
+    def __init__(self, at: int, phase: str, sig: signal.Signals = signal.SIGTERM):
+        self.at, self.phase, self.sig = at, phase, sig
+        self.steps, self.sent = 0, False
+
+    def send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+
+    @property
+    def armed(self) -> bool:
+        return self.steps >= self.at
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.phase == "step" and self.armed:
+            self.send()
+
+    def after_pred(self) -> None:
+        if self.phase == "validate" and self.armed and not self.learn.training:
+            self.send()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    learn = _learner(tmp_path_factory.mktemp("whole"))
+    _fit(learn)
+    return _weights(learn)
+
+
+def _preempt_then_resume(path: Path, at: int, phase: str, sig: signal.Signals, monkeypatch) -> Preempted:
+    cue = SignalAt(at, phase, sig)
+    real_save = checkpoint_callback.atomic_save
+
+    def save_with_signal(*args, **kwargs):
+        if phase == "save" and cue.armed:
+            cue.send()  # handled at once: the flag is set while this write runs
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_callback, "atomic_save", save_with_signal)
+    learn = _learner(path, cbs=[cue])
+    with pytest.raises(Preempted) as stopped:
+        _fit(learn)
+    monkeypatch.setattr(checkpoint_callback, "atomic_save", real_save)
+    state = torch.load(path / "models" / "checkpoint.pth", weights_only=True)
+    stopped.value.position = (state["epoch"], state["steps_done"])  # type: ignore[attr-defined]
+    resumed = _learner(path)
+    _fit(resumed, resume=True)
+    stopped.value.resumed_weights = _weights(resumed)  # type: ignore[attr-defined]
+    return stopped.value
+
+
+def test_a_signal_at_random_moments_stops_checkpointed_and_resumes_to_the_same_weights(
+    tmp_path: Path, uninterrupted: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten moments drawn at random (seeded), over steps, validation and checkpoint writes, SIGTERM and
+    SIGUSR1: each run stops with status 75 at one step boundary, having written a checkpoint there
+    (Checkpoint(every=4): most moments fall between two of its saves), and the resumed run ends on the
+    uninterrupted weights, bit for bit. The process's own SIGTERM handler is back after each fit."""
+    rng = random.Random(22)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    phases = ["step", "validate", "save"] * 4
+    positions = set()
+    for run in range(10):
+        phase = phases[run]
+        at = rng.randint(1, EPOCHS * STEPS - (STEPS if phase == "validate" else 1))
+        sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
+        stopped = _preempt_then_resume(tmp_path / f"run{run}", at, phase, sig, monkeypatch)
+        what = f"run {run}: {phase} at step {at}, {sig.name}"
+        assert stopped.code == PREEMPTED_EXIT == 75, what
+        assert stopped.signame == sig.name, what
+        assert stopped.saved == str(tmp_path / f"run{run}" / "models" / "checkpoint.pth"), what
+        assert str(stopped).startswith(f"preempted by {sig.name}: every rank stopped "), str(stopped)
+        # the checkpoint is where every rank stopped: the signal's step (or its epoch's end), not an
+        # earlier save of every=4
+        where = (stopped.epoch + 1, 0) if stopped.step is None else (stopped.epoch, stopped.step)
+        assert stopped.position == where, what  # type: ignore[attr-defined]
+        steps_done = stopped.epoch * STEPS + (STEPS if stopped.step is None else stopped.step)
+        if phase == "step":
+            assert steps_done == at, what
+        elif phase == "save":  # the first write of Checkpoint(every=4) at or after step `at`
+            assert steps_done == next(s for s in range(at, 99) if s % STEPS in (0, 4)), what
+        else:  # the end of the epoch whose validation heard it
+            assert stopped.step is None and steps_done == STEPS * -(-at // STEPS), what
+        positions.add(where)
+        for got, want in zip(stopped.resumed_weights, uninterrupted, strict=True):  # type: ignore[attr-defined]
+            assert torch.equal(got, want), what
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before, what
+    assert len(positions) >= 6, positions  # the moments were spread
+
+
+def test_the_checkpoint_is_written_at_the_signals_step_whatever_every_is(tmp_path: Path) -> None:
+    """Checkpoint(every=100) would not write before the epoch's end; the signal after step 2 makes it
+    write there: the checkpoint's position is step 2 of epoch 0, and a script's own handler still
+    hears the signal (chained)."""
+    heard = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: heard.append("script"))
+    try:
+        learn = _learner(tmp_path, every=100, cbs=[SignalAt(2, "step")])
+        with pytest.raises(Preempted) as stopped:
+            _fit(learn)
+        assert signal.getsignal(signal.SIGTERM) is not previous  # the script's, given back
+        assert heard == ["script"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    state = torch.load(tmp_path / "models" / "checkpoint.pth", weights_only=True)
+    assert (state["epoch"], state["steps_done"]) == (0, 2)
+    assert stopped.value.epoch == 0 and stopped.value.step == 2
+
+
+def test_without_a_checkpoint_callback_one_line_says_nothing_was_saved(tmp_path: Path) -> None:
+    learn = _learner(tmp_path, every=0, cbs=[SignalAt(3, "step")])
+    with pytest.raises(Preempted) as stopped:
+        _fit(learn)
+    assert stopped.value.saved is None and stopped.value.code == 75
+    assert str(stopped.value) == (
+        "preempted by SIGTERM: every rank stopped in epoch 0, after step 3; "
+        "no Checkpoint callback, so nothing was saved"
+    )
+    assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.slow  # a fresh interpreter: about 5 s
+def test_on_preempt_none_leaves_the_signal_to_python(tmp_path: Path) -> None:
+    """No handler is installed: SIGUSR1 ends the process as Python's default does (checked in a child)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys; sys.path[:0] = [os.environ['SRC']]\n"
+        "from tests.callbacks.test_preemption import _learner, _fit, SignalAt\n"
+        f"learn = _learner({str(tmp_path)!r}, on_preempt=None, cbs=[SignalAt(2, 'step', signal.SIGUSR1)])\n"
+        "_fit(learn)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGUSR1, done.stderr[-2000:]
+
+
+class HangAfterSignal(Callback):
+    """Sends SIGTERM to this process after step `at`, then hangs in that step (a sleep)."""
+
+    def __init__(self, at: int):
+        self.at, self.steps = at, 0
+
+    def after_step(self) -> None:
+        import time
+
+        self.steps += 1
+        if self.steps == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+
+
+@pytest.mark.slow  # a fresh interpreter: about 6 s
+def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_path: Path) -> None:
+    """torch's agent stops the survivors of a failed rank with SIGTERM; one that is hung (it will never
+    reach a step boundary) must end as SIGTERM's default action ends it, not hold the job for the
+    launcher's whole grace: after STALL_S (3 s) without a batch it is killed by the signal (checked
+    in a child: the process dies)."""
+    import subprocess
+    import sys
+    import time
+
+    from unison.callbacks.preemption import STALL_S
+
+    code = (
+        "import os, sys; sys.path[:0] = [os.environ['SRC']]\n"
+        "from tests.callbacks.test_preemption import _learner, _fit, HangAfterSignal\n"
+        f"_fit(_learner({str(tmp_path)!r}, cbs=[HangAfterSignal(2)]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    sent = (tmp_path / "models" / "checkpoint.pth").exists()  # not reached: it never got to a boundary
+    assert not sent
+    print(f"seconds from start to its end: {time.monotonic() - start:.1f} (stall limit {STALL_S} s)")
+    assert time.monotonic() - start < 45  # not the 60 s sleep
+
+
+# ---- which signals ---------------------------------------------------------------------------------
+def test_signal_names_numbers_and_the_environment() -> None:
+    assert parse_signals("SIGTERM, usr1,12") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    for bad, said in (("SIGFOO", "unknown signal 'SIGFOO'"), ("SIGKILL", "SIGKILL cannot be handled")):
+        with pytest.raises(ValueError, match=said):
+            parse_signals(bad)
+    assert preempt_signals({}) == (signal.SIGTERM, signal.SIGUSR1)
+    elastic = {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    assert preempt_signals(elastic) == (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    assert preempt_signals({**elastic, "UNISON_PREEMPT_SIGNALS": "SIGUSR2"}) == (signal.SIGUSR2,)
+    assert launcher_signals(None, {}) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    assert launcher_signals(None, {"TORCHELASTIC_SIGNALS_TO_HANDLE": "term,usr2"}) == "SIGTERM,SIGUSR2"
+    assert launcher_signals("SIGUSR1", {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}) == "SIGUSR1"
+    assert Preemption("SIGUSR2").signals == (signal.SIGUSR2,)
+    with pytest.raises(ValueError, match="on_preempt must be 'stop', 'requeue' or None"):
+        _learner(Path("."), on_preempt="later")
+
+
+# ---- SLURM's requeue ---------------------------------------------------------------------------------
+def _fake_scontrol(folder: Path, checkpoint: Path | None = None) -> Path:
+    """A `scontrol` that records its arguments (and whether `checkpoint` exists when it is called)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "calls"
+    seen = f'; test -f {checkpoint} && echo "checkpoint there" >> {log}' if checkpoint else ""
+    script = folder / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}{seen}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return log
+
+
+def test_requeue_calls_scontrol_with_the_job_or_array_task(tmp_path: Path) -> None:
+    log = _fake_scontrol(tmp_path / "bin")
+    path = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    assert requeue({"SLURM_JOB_ID": "4242", "PATH": path}) == "job 4242 requeued (scontrol requeue 4242)"
+    array = {"SLURM_JOB_ID": "1207", "SLURM_ARRAY_JOB_ID": "1200", "SLURM_ARRAY_TASK_ID": "7", "PATH": path}
+    assert job_to_requeue(array) == "1200_7"
+    assert requeue(array) == "job 1200_7 requeued (scontrol requeue 1200_7)"
+    assert log.read_text().splitlines() == ["requeue 4242", "requeue 1200_7"]
+
+
+def test_requeue_without_scontrol_or_slurm_is_one_clear_line(tmp_path: Path) -> None:
+    said = requeue({"SLURM_JOB_ID": "4242", "PATH": str(tmp_path)})  # nothing on PATH
+    assert said.startswith("requeue asked, but scontrol is not on PATH (a container without SLURM's tools?)")
+    assert "job 4242 was not requeued" in said
+    assert requeue({"PATH": os.environ["PATH"]}).startswith("requeue asked, but this is not a SLURM job")
+    failing = tmp_path / "bin" / "scontrol"
+    failing.parent.mkdir()
+    failing.write_text("#!/bin/sh\necho 'Requested operation is presently disabled' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    said = requeue({"SLURM_JOB_ID": "9", "PATH": str(failing.parent)})
+    assert said.startswith("scontrol requeue 9 failed (Requested operation is presently disabled)")
+
+
+def test_on_preempt_requeue_requeues_once_the_checkpoint_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = tmp_path / "run" / "models" / "checkpoint.pth"
+    log = _fake_scontrol(tmp_path / "bin", checkpoint)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "31")
+    learn = _learner(tmp_path / "run", every=100, cbs=[SignalAt(1, "step")], on_preempt="requeue")
+    with pytest.raises(Preempted) as stopped:
+        _fit(learn)
+    assert log.read_text().splitlines() == ["requeue 31", "checkpoint there"]
+    assert str(stopped.value).endswith("; job 31 requeued (scontrol requeue 31)")
+    # "stop" requeues only when the batch script asks for it (UNISON_REQUEUE=1)
+    monkeypatch.setenv("UNISON_REQUEUE", "1")
+    learn = _learner(tmp_path / "run2", every=100, cbs=[SignalAt(1, "step")])
+    with pytest.raises(Preempted):
+        _fit(learn)
+    assert log.read_text().splitlines().count("requeue 31") == 2

@@ -10,7 +10,7 @@ The agent, the rendezvous, restarts and error files are torch's
 anything starts, chooses the rendezvous, exports what workers need, and reports a failure
 in one summary. Each worker runs `python -m unison.launch.worker script.py args...`.
 
-Long on purpose (under 500 lines): the typed launch configuration (`LaunchOptions`) and its one
+Long on purpose (about 520 lines): the typed launch configuration (`LaunchOptions`) and its one
 parser must stay beside the plan they produce, so that every option and its check is read in
 one place; network, failure reports, logs and the rendezvous each live in their own module.
 """

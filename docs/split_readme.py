@@ -78,13 +78,15 @@ PAGES = [
     Page(
         "launching.md",
         "Launching and clusters",
-        "`unison launch`, several machines, elastic restarts, torchrun's options, `spawn` and `mp_spawn`",
+        "`unison launch`, several machines, elastic restarts, torchrun's options, SLURM, Kubernetes, "
+        "Ray Train, `spawn` and `mp_spawn`",
         "Launching",
     ),
     Page(
         "faults.md",
         "Faults and resume",
-        "checkpoints, exact resume, restarts, hangs and frozen ranks, full disks",
+        "checkpoints, exact resume, restarts, preemption, NaNs, hangs and frozen ranks, corrupt files, "
+        "full disks",
         "Faults and resume",
     ),
     Page(

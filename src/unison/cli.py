@@ -55,7 +55,11 @@ def env_report(environ: dict[str, str] | None = None) -> str:
         built = torch.version.cuda or "none (a CPU build)"
         lines.append(f"CUDA: no GPU available (torch's CUDA: {built})")
     seen = [k for k in _RANK_VARS if k in env]
-    seen += sorted(k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")))
+    seen += sorted(
+        k
+        for k in env
+        if k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "PET_", "TORCHX_", "TORCHFT_"))
+    )
     if seen:
         lines.append("rank variables: " + " ".join(f"{k}={env[k]}" for k in seen))
     else:

@@ -230,7 +230,16 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
 
 
 def test_env_report_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    report = env_report({"MASTER_ADDR": "127.0.0.1", "RANK": "1", "SLURM_PROCID": "1"})
+    report = env_report(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "RANK": "1",
+            "SLURM_PROCID": "1",
+            "PET_NNODES": "2",
+            "TORCHX_RANK0_HOST": "h",
+        }
+    )
+    assert "PET_NNODES=2" in report and "TORCHX_RANK0_HOST=h" in report  # Kubeflow's and TorchX's
     assert "torch " in report and "unison " in report
     assert re.search(r"backends: gloo yes, nccl (yes|no), mpi (yes|no)", report)
     assert "RANK=1" in report and "SLURM_PROCID=1" in report

@@ -19,7 +19,13 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-__all__ = ["BatchNormNd", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = [
+    "BatchNormNd",
+    "SyncBatchNorm",
+    "buffers_synchronised",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+]
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
@@ -52,7 +58,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
             mean = var = torch.zeros(channels, dtype=cdtype, device=x.device)
         packed = torch.cat([mean.new_full((1,), float(count)), mean, var])
         gathered = packed.new_empty(world_size, packed.numel())
-        dist.all_gather(list(gathered.unbind(0)), packed, group=group)
+        # One collective into one flat buffer (no per-rank list of views for gloo to copy through).
+        dist.all_gather_single(gathered.view(-1), packed, group=group)
         counts, means, variances = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:  # same check, on every rank, as F.batch_norm in training
@@ -248,6 +255,25 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) 
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, process_group))
     return out
+
+
+def buffers_synchronised(module: nn.Module) -> bool:
+    """Whether every buffer of `module` belongs to a BatchNorm synchronised over the whole world.
+
+    Such buffers (running mean, var, batch count) are updated on every rank from the same
+    gathered statistics by the same operations, so they stay bitwise equal: DDP's
+    `broadcast_buffers` (two collectives per forward, float and int64) would copy equal
+    bytes. `DistributedTrainer` turns it off when this holds and the user did not set it.
+    A module with any other buffer, or a BatchNorm scoped to a sub-group, answers False.
+
+    >>> buffers_synchronised(convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))))
+    True
+    """
+    owned = 0
+    for layer in module.modules():
+        if isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) and layer.process_group is None:
+            owned += sum(1 for _ in layer.buffers(recurse=False))
+    return owned == sum(1 for _ in module.buffers())
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

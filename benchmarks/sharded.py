@@ -1,16 +1,19 @@
-"""Sharded (FSDP2) vs DDP: memory per rank and throughput, a 50M-parameter model on 2 CPU processes.
+"""Sharded training: unison's distrib_ctx(shard=True) against a hand-written FSDP2 loop, 2 CPU processes.
 
-    python benchmarks/sharded.py               # 2 interleaved rounds; updates its section of RESULTS.md
-    python benchmarks/sharded.py --repeats 1 --no-write
+    python benchmarks/sharded.py               # 5 interleaved rounds; updates its section of RESULTS.md
+    python benchmarks/sharded.py --repeats 1 --no-write --modes shard shard-nocheck ddp
+    STEPS=10 EPOCHS=4 python benchmarks/sharded.py   # a longer timed part
 
-Each round launches `unison launch --nproc 2 benchmarks/sharded.py --worker MODE` for the
-modes ddp, shard and shard-keep: the same model, data, global batch and AdamW, with
-`distrib_ctx()`, `distrib_ctx(shard=True)` or `distrib_ctx(shard=True,
-reshard_after_forward=False)`, under a fixed malloc mmap threshold; then ddp, shard and
-shard with `release_memory=False` once more without that variable. Each rank reports,
-right after an optimizer step (when weights, gradients and optimizer state all exist),
-the bytes of the parameters, gradients and optimizer state it holds, and its peak RSS;
-rank 0 reports training samples/s over the epochs after the first.
+Each round launches, with torchrun (2 processes x 1 thread, gloo), the hand-written loop
+(torch's `fully_shard` per residual block and at the root, `DistributedSampler`, AdamW) and
+then each of `--modes`: the same 50M-parameter model, data, global batch and AdamW, through
+unison (`distrib_ctx(shard=True)` and variants: `release_memory=False`, `on_nonfinite=None`,
+`reshard_after_forward=False`, DDP) or the hand-written loop under the malloc setting that
+unison's `release_memory=True` makes (`hand-release`). Rank 0 reports training samples/s over
+the epochs after the first; both ranks report their CPU time over those epochs, the bytes of
+parameters, gradients and optimizer state they hold right after their first optimizer step,
+and their peak RSS. Ratios are per round (each mode against that round's hand-written run),
+reported as median and min-max.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- sharded-benchmark:begin -->", "<!-- sharded-benchmark:end -->"
 DIM, HIDDEN, BLOCKS, BS = 1024, 4096, 6, 16
-STEPS, EPOCHS = int(os.environ.get("STEPS", "10")), int(os.environ.get("EPOCHS", "4"))
+STEPS, EPOCHS = int(os.environ.get("STEPS", "6")), int(os.environ.get("EPOCHS", "3"))
 
 
 def _model():
@@ -77,13 +80,17 @@ def _held(model, opt) -> dict[str, int]:
     return held
 
 
-def _report(mode: str, n_params: int, times: list[float], held: dict[str, int], n: int) -> None:
+def _report(
+    mode: str, n_params: int, times: list[float], cpu: list[float], held: dict[str, int], n: int
+) -> None:
     import torch.distributed as dist
 
     world = dist.get_world_size()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"held": held, "rss_mb": rss_mb})
+    # CPU seconds (user + system, every thread) of the timed epochs: what the step costs this rank,
+    # much less moved than wall time by other jobs on a shared machine.
+    dist.all_gather_object(everyone, {"held": held, "rss_mb": rss_mb, "cpu_s": sum(cpu[1:])})
     if dist.get_rank() == 0:
         steady = sum(times[1:])
         result = {
@@ -91,12 +98,13 @@ def _report(mode: str, n_params: int, times: list[float], held: dict[str, int], 
             "params": n_params,
             "world": world,
             "samples_per_s": (len(times) - 1) * n / steady,
+            "cpu_ms_per_sample": 1000 * sum(r["cpu_s"] for r in everyone) / ((len(times) - 1) * n),
             "ranks": everyone,
         }
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def hand_worker() -> None:
+def hand_worker(mode: str = "hand") -> None:
     """The hand-written FSDP2 loop: torch's fully_shard per block and at the root, AdamW."""
     import torch
     import torch.distributed as dist
@@ -119,10 +127,10 @@ def hand_worker() -> None:
     dl = DataLoader(TensorDataset(x, y), batch_size=BS, sampler=sampler)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_func = nn.CrossEntropyLoss()
-    times, held = [], {}
+    times, cpu, held = [], [], {}
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for xb, yb in dl:
             loss_func(model(xb), yb).backward()
             opt.step()
@@ -130,7 +138,8 @@ def hand_worker() -> None:
                 held = _held(model, opt)
             opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    _report("hand", n_params, times, held, len(x))
+        cpu.append(time.process_time() - cpu_start)
+    _report(mode, n_params, times, cpu, held, len(x))
     dist.destroy_process_group()
 
 
@@ -148,12 +157,14 @@ def worker(mode: str) -> None:
         def __init__(self) -> None:
             self.held: dict[str, int] = {}
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def before_train(self) -> None:
-            self._start = time.perf_counter()
+            self._start, self._cpu = time.perf_counter(), time.process_time()
 
         def after_train(self) -> None:
             self.times.append(time.perf_counter() - self._start)
+            self.cpu.append(time.process_time() - self._cpu)
 
         def after_step(self) -> None:  # before zero_grad: weights, gradients and optimizer state all live
             if not self.held:
@@ -174,13 +185,15 @@ def worker(mode: str) -> None:
         options["release_memory"] = mode != "shard-hold"
     with learn.distrib_ctx(**options):
         learn.fit(EPOCHS)
-        _report(mode, n_params, measure.times, measure.held, len(x))
+        _report(mode, n_params, measure.times, measure.cpu, measure.held, len(x))
         dist.barrier()
 
 
 def launch(mode: str, extra_env: dict[str, str] | None = None) -> dict:
     """One torchrun launch (2 processes x 1 thread) of a mode; rank 0's RESULT."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if mode == "hand-release":  # the hand-written loop with the malloc setting unison's default makes
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run(
         [*cmd, __file__, "--worker", mode], env=env, capture_output=True, text=True, timeout=900
@@ -209,9 +222,8 @@ def table(runs: dict[str, list[dict]], load: str) -> str:
     def rss(mode: str) -> float:
         return med(runs[mode], lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
 
-    def ratios(mode: str, base: str = "hand") -> list[float]:
-        pairs = zip(runs[mode], runs[base], strict=True)
-        return [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
+    def ratios(mode: str, key: str, base: str = "hand") -> list[float]:
+        return [a[key] / b[key] for a, b in zip(runs[mode], runs[base], strict=True)]
 
     first = runs["hand"][0]
     rounds = len(runs["hand"])
@@ -221,22 +233,28 @@ def table(runs: dict[str, list[dict]], load: str) -> str:
         f"{first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual blocks {DIM}-{HIDDEN}-{DIM}, a head), "
         f"AdamW, {first['world']} processes x 1 thread, batch {BS} per process, {STEPS} steps an epoch, "
         f"{EPOCHS} epochs (the first not timed). {rounds} interleaved rounds: medians, and the min-max of "
-        "the per-round ratios. Bytes are what each rank holds right after its first optimizer step.",
+        "the per-round ratios. CPU ms per sample: user + system time of both ranks (all threads) over the "
+        "timed epochs. Bytes are what each rank holds right after its first optimizer step.",
         "",
-        "| per rank | samples/s | / hand-written FSDP2 (per round) | params+grads+AdamW MB | peak RSS MB |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| per rank | samples/s | speed / hand-written (min-max) | CPU ms per sample "
+        "| CPU / hand-written (min-max) | params+grads+AdamW MB | peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mode in runs:
-        ratio = "1" if mode == "hand" else spread(ratios(mode))
         speed = med(runs[mode], lambda r: r["samples_per_s"])
+        cpu = med(runs[mode], lambda r: r["cpu_ms_per_sample"])
+        vs_speed = "1" if mode == "hand" else spread(ratios(mode, "samples_per_s"))
+        vs_cpu = "1" if mode == "hand" else spread(ratios(mode, "cpu_ms_per_sample"))
         lines.append(
-            f"| {LABELS[mode]} | {speed:.1f} | {ratio} | {held(mode, 'total'):.0f} | {rss(mode):.0f} |"
+            f"| {LABELS[mode]} | {speed:.1f} | {vs_speed} | {cpu:.0f} | {vs_cpu} | {held(mode, 'total'):.0f} "
+            f"| {rss(mode):.0f} |"
         )
     return "\n".join(lines)
 
 
 LABELS = {
     "hand": "hand-written FSDP2 loop (`fully_shard` per block and root)",
+    "hand-release": "hand-written, `MALLOC_MMAP_THRESHOLD_=65536` (what `release_memory=True` sets)",
     "shard": "unison `distrib_ctx(shard=True)` (defaults)",
     "shard-hold": "unison, `release_memory=False`",
     "shard-nocheck": "unison, `on_nonfinite=None`",
@@ -249,11 +267,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=tuple(LABELS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=["shard", "shard-hold", "ddp"], choices=tuple(LABELS))
+    parser.add_argument("--modes", nargs="+", default=["shard-hold", "shard"], choices=tuple(LABELS))
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
-    if args.worker == "hand":
-        hand_worker()
+    if args.worker in ("hand", "hand-release"):
+        hand_worker(args.worker)
         return
     if args.worker:
         worker(args.worker)
@@ -263,7 +281,12 @@ def main() -> None:
     for i in range(args.repeats):
         for mode in modes:
             runs[mode].append(launch(mode))
-            print(f"round {i + 1} {mode}: {runs[mode][-1]['samples_per_s']:.2f} samples/s", flush=True)
+            r = runs[mode][-1]
+            print(
+                f"round {i + 1} {mode}: {r['samples_per_s']:.2f} samples/s, "
+                f"{r['cpu_ms_per_sample']:.0f} CPU ms/sample",
+                flush=True,
+            )
     load = "load average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + " at the end"
     text = table(runs, load)
     print(text)

@@ -211,7 +211,10 @@ def main() -> None:
 
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {__import__('torch').__version__}, gloo; {args.repeats} interleaved rounds; medians.",
+        f"torch {__import__('torch').__version__}, gloo; {args.repeats} interleaved rounds; medians, "
+        f"ratios with the min-max of the rounds'. Load average (1, 5, 15 min) at the end: "
+        + ", ".join(f"{v:.1f}" for v in os.getloadavg())
+        + f" on {os.cpu_count()} cores.",
         "",
     ]
     lines += [

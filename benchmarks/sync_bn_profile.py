@@ -9,6 +9,7 @@ turn, for ROUNDS rounds (the first not counted), so that load changes hit all fo
 prints, per copy, the median step time and its minimum, and the wall time per step spent inside
 the BatchNorm statistics' collectives (timed around `torch.distributed`'s functions: on a busy
 machine mostly waiting for the other rank to be scheduled, not moving the ~1.5 KB they carry).
+First it times single small collectives (the sizes the statistics need), 40 rounds of 20 calls.
 """
 
 from __future__ import annotations
@@ -54,9 +55,34 @@ class TimedDist:
         return getattr(dist, name)
 
 
+def latency(rounds: int = 40, calls: int = 20) -> None:
+    """One small collective's round trip on this group: the sizes the CNN's C = 64 layer sends."""
+    world = dist.get_world_size()
+    stats, out, sums = torch.randn(129), torch.empty(world * 129), torch.randn(128)
+    ops = {
+        "all_gather_single, 129 floats (forward)": lambda: dist.all_gather_single(out, stats),
+        "all_reduce, 128 floats (backward)": lambda: dist.all_reduce(sums),
+        "barrier": dist.barrier,
+    }
+    took: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                op()
+            took[name].append((time.perf_counter() - start) / calls * 1e6)
+    if dist.get_rank() == 0:
+        print(f"| one collective, {world} processes | median us | min us |")
+        print("| --- | ---: | ---: |")
+        for name, t in took.items():
+            print(f"| {name} | {statistics.median(t):.0f} | {min(t):.0f} |")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    latency()
     sync_bn.dist = TimedDist()
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(BS, 3, 32, 32, generator=g) for _ in range(STEPS)]

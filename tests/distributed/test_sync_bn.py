@@ -375,7 +375,7 @@ def _training_collectives():
 
 def test_exact_batchnorm_training_issues_no_buffer_broadcast(pool2):
     # Every buffer is a SyncBatchNorm's, updated from the same gathered statistics on every rank:
-    # DDP's per-step broadcast of them (two collectives a step: float and int64) would only copy
+    # DDP's broadcast of them before every forward (forward_sync_buffers) would only copy
     # equal bytes. Two all_gathers per BN layer per step remain, and the buffers stay bitwise equal.
     # 48 samples, 2 ranks x 8 a batch: 3 steps an epoch; one BatchNorm layer: its statistics in
     # forward and its gradient sums in backward, one all_gather each (gloo answers small gathers

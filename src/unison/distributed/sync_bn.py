@@ -270,7 +270,7 @@ def buffers_synchronised(module: nn.Module) -> bool:
 
     Such buffers (running mean, var, batch count) are updated on every rank from the same
     gathered statistics by the same operations, so they stay bitwise equal: DDP's
-    `broadcast_buffers` (two collectives per forward, float and int64) would copy equal
+    `forward_sync_buffers` (a broadcast before every forward) would copy equal
     bytes. `DistributedTrainer` turns it off when this holds and the user did not set it.
     A module with any other buffer, or a BatchNorm scoped to a sub-group, answers False.
 

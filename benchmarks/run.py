@@ -33,6 +33,7 @@ def run_peer(
     precision: str = "fp32",
     epochs: int = 6,
     ddp_kwargs: dict | None = None,
+    comm_probe: bool = False,
 ) -> dict:
     """One launch of a peer; the merged RESULT lines of its ranks."""
     env = {
@@ -44,6 +45,7 @@ def run_peer(
         "PRECISION": precision,
         "DDP_KWARGS": json.dumps(ddp_kwargs or {}),
         "PYTHONUNBUFFERED": "1",
+        "COMM_PROBE": "1" if comm_probe else "0",
     }
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE / script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -62,6 +64,7 @@ def run_peer(
         "valid_acc": rank0["valid_acc"],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
         "first_step_s": max(r["first_step_s"] for r in results),
+        "comm_frac": rank0.get("comm_frac"),
     }
 
 
@@ -81,23 +84,36 @@ def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def per_round(a: list[dict], b: list[dict]) -> list[float]:
+    """Per-round ratios a/b of samples/s (each round's pair ran back to back)."""
+    return [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, b, strict=True)]
+
+
 def ratios(a: list[dict], b: list[dict]) -> float:
-    """Median of per-round ratios a/b (each round's pair ran back to back)."""
-    return statistics.median(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, b, strict=True))
+    """Median of per-round ratios a/b."""
+    return statistics.median(per_round(a, b))
+
+
+def spread(a: list[dict], b: list[dict], bold: bool = True) -> str:
+    """The median per-round ratio a/b, and the min-max of those ratios beside it."""
+    r = per_round(a, b)
+    med = f"**{statistics.median(r):.3f}**" if bold else f"{statistics.median(r):.3f}"
+    return f"{med} ({min(r):.3f}-{max(r):.3f})"
 
 
 def import_times(repeats: int) -> tuple[float, float]:
-    """Median wall time of `import torch` and of `import unison` (which imports torch), interleaved."""
+    """Median wall time of `import torch` and of `from unison import Learner` (its public names load
+    on first use; the Learner brings torch), interleaved."""
 
-    def once(module: str) -> float:
+    def once(statement: str) -> float:
         start = time.perf_counter()
-        subprocess.run([PY, "-c", f"import {module}"], check=True)
+        subprocess.run([PY, "-c", statement], check=True)
         return time.perf_counter() - start
 
     torch_t, unison_t = [], []
     for _ in range(repeats):
-        torch_t.append(once("torch"))
-        unison_t.append(once("unison"))
+        torch_t.append(once("import torch"))
+        unison_t.append(once("from unison import Learner"))
     return statistics.median(torch_t), statistics.median(unison_t)
 
 
@@ -121,9 +137,42 @@ def compare_knobs(args: argparse.Namespace) -> None:
         res = interleaved(pairs, args.repeats)
         base = res["torch defaults"]
         cells = [f"{median(base, 'samples_per_s'):.0f} samples/s"]
-        cells += [f"{ratios(res[name], base):.3f}x" for name in list(KNOBS)[1:]]
+        cells += [spread(res[name], base, bold=False) for name in list(KNOBS)[1:]]
         lines.append(f"| {wl} | " + " | ".join(cells) + " |")
     print("\n" + "\n".join(lines))
+
+
+SCALING = (1, 2, 4)
+
+
+def scaling(repeats: int) -> list[str]:
+    """The CNN on 1, 2 and 4 processes (1 thread each), hand-written (per-rank BatchNorm) and unison
+    (exact BatchNorm, the default), interleaved; efficiency = samples/s / (W x 1-process samples/s)."""
+    print(f"conv scaling: {SCALING} processes, interleaved x{repeats}", flush=True)
+    pairs = []
+    for w in SCALING:
+        pairs.append((f"raw{w}", dict(script="raw_ddp.py", workload="conv", nproc=w, comm_probe=w > 1)))
+        pairs.append((f"uni{w}", dict(script="unison_ddp.py", workload="conv", nproc=w)))
+    res = interleaved(pairs, repeats)
+    lines = [
+        "",
+        f"| conv, {os.cpu_count()} cores | processes x 1 thread | samples/s | scaling efficiency (min-max) "
+        "| communication share of forward+backward | unison / hand-written (min-max) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, key in (("hand-written DDP (per-rank BN)", "raw"), ("unison (exact BN)", "uni")):
+        one = res[f"{key}1"]
+        for w in SCALING:
+            runs = res[f"{key}{w}"]
+            eff = [x["samples_per_s"] / (w * y["samples_per_s"]) for x, y in zip(runs, one, strict=True)]
+            fracs = [r["comm_frac"] for r in runs if r.get("comm_frac") is not None]
+            comm = f"{statistics.median(fracs):.0%} ({min(fracs):.0%}-{max(fracs):.0%})" if fracs else "-"
+            vs = spread(runs, res[f"raw{w}"], bold=False) if key == "uni" else "1"
+            lines.append(
+                f"| {name} | {w} | {median(runs, 'samples_per_s'):.0f} | {statistics.median(eff):.2f} "
+                f"({min(eff):.2f}-{max(eff):.2f}) | {comm} | {vs} |"
+            )
+    return lines
 
 
 def main() -> None:
@@ -162,11 +211,14 @@ def main() -> None:
 
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {__import__('torch').__version__}, gloo; {args.repeats} interleaved rounds; medians.",
+        f"torch {__import__('torch').__version__}, gloo; {args.repeats} interleaved rounds; medians, "
+        f"ratios with the min-max of the rounds'. Load average (1, 5, 15 min) at the end: "
+        + ", ".join(f"{v:.1f}" for v in os.getloadavg())
+        + f" on {os.cpu_count()} cores.",
         "",
     ]
     lines += [
-        "| workload | hand-written DDP samples/s | unison samples/s | unison / hand-written | "
+        "| workload | hand-written DDP samples/s | unison samples/s | unison / hand-written (min-max) | "
         "peak RSS per worker (raw / unison) | first step s (raw / unison) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -174,29 +226,12 @@ def main() -> None:
         rss_raw, rss_uni = median(raw, "peak_rss_mb"), median(uni, "peak_rss_mb")
         lines.append(
             f"| {wl} | {median(raw, 'samples_per_s'):.0f} | {median(uni, 'samples_per_s'):.0f} | "
-            f"**{ratios(uni, raw):.3f}** | {rss_raw:.0f} / {rss_uni:.0f} MB ({rss_uni / rss_raw:.3f}x)"
+            f"{spread(uni, raw)} | {rss_raw:.0f} / {rss_uni:.0f} MB ({rss_uni / rss_raw:.3f}x)"
             f" | {median(raw, 'first_step_s'):.2f} / {median(uni, 'first_step_s'):.2f} |"
         )
 
     if not args.no_scaling:
-        print("conv scaling: 1 process vs 2 processes", flush=True)
-        pairs = [
-            ("raw1", dict(script="raw_ddp.py", workload="conv", nproc=1)),
-            ("uni1", dict(script="unison_ddp.py", workload="conv", nproc=1, ddp_kwargs={"sync_bn": False})),
-            ("raw2", dict(script="raw_ddp.py", workload="conv", nproc=2)),
-            ("uni2", dict(script="unison_ddp.py", workload="conv", nproc=2, ddp_kwargs={"sync_bn": False})),
-        ]
-        res = interleaved(pairs, args.repeats)
-        lines += [
-            "",
-            "| conv scaling (sync_bn=False) | 1 process samples/s | 2 processes samples/s | 2p / 1p |",
-            "| --- | ---: | ---: | ---: |",
-        ]
-        for name, one, two in (("hand-written DDP", "raw1", "raw2"), ("unison", "uni1", "uni2")):
-            lines.append(
-                f"| {name} | {median(res[one], 'samples_per_s'):.0f} | "
-                f"{median(res[two], 'samples_per_s'):.0f} | {ratios(res[two], res[one]):.2f} |"
-            )
+        lines += scaling(args.repeats)
 
     if not args.no_bf16:
         print("conv bf16 autocast on CPU vs fp32 (unison, 2 processes)", flush=True)
@@ -207,18 +242,18 @@ def main() -> None:
         res = interleaved(pairs, args.repeats)
         lines += [
             "",
-            "| conv, unison, CPU | fp32 samples/s | bf16 autocast samples/s | bf16 / fp32 "
+            "| conv, unison, CPU | fp32 samples/s | bf16 autocast samples/s | bf16 / fp32 (min-max) "
             "| valid acc fp32 / bf16 |",
             "| --- | ---: | ---: | ---: | ---: |",
             f"| 2 processes x 1 thread | {median(res['fp32'], 'samples_per_s'):.0f} | "
-            f"{median(res['bf16'], 'samples_per_s'):.0f} | {ratios(res['bf16'], res['fp32']):.2f} | "
+            f"{median(res['bf16'], 'samples_per_s'):.0f} | {spread(res['bf16'], res['fp32'], bold=False)} | "
             f"{median(res['fp32'], 'valid_acc'):.3f} / {median(res['bf16'], 'valid_acc'):.3f} |",
         ]
 
     torch_s, unison_s = import_times(max(5, args.repeats))
     lines += [
         "",
-        f"`import torch`: {torch_s:.2f} s; `import unison` (torch included): {unison_s:.2f} s; "
+        f"`import torch`: {torch_s:.2f} s; `from unison import Learner` (torch included): {unison_s:.2f} s; "
         f"unison adds **{unison_s - torch_s:+.2f} s**.",
     ]
     table = "\n".join(lines)

@@ -1,16 +1,19 @@
-"""Sharded (FSDP2) vs DDP: memory per rank and throughput, a 50M-parameter model on 2 CPU processes.
+"""Sharded training: unison's distrib_ctx(shard=True) against a hand-written FSDP2 loop, 2 CPU processes.
 
-    python benchmarks/sharded.py               # 2 interleaved rounds; updates its section of RESULTS.md
-    python benchmarks/sharded.py --repeats 1 --no-write
+    python benchmarks/sharded.py               # 5 interleaved rounds; updates its section of RESULTS.md
+    python benchmarks/sharded.py --repeats 1 --no-write --modes shard shard-nocheck ddp
+    STEPS=10 EPOCHS=4 python benchmarks/sharded.py   # a longer timed part
 
-Each round launches `unison launch --nproc 2 benchmarks/sharded.py --worker MODE` for the
-modes ddp, shard and shard-keep: the same model, data, global batch and AdamW, with
-`distrib_ctx()`, `distrib_ctx(shard=True)` or `distrib_ctx(shard=True,
-reshard_after_forward=False)`, under a fixed malloc mmap threshold; then ddp, shard and
-shard with `release_memory=False` once more without that variable. Each rank reports,
-right after an optimizer step (when weights, gradients and optimizer state all exist),
-the bytes of the parameters, gradients and optimizer state it holds, and its peak RSS;
-rank 0 reports training samples/s over the epochs after the first.
+Each round launches, with torchrun (2 processes x 1 thread, gloo), the hand-written loop
+(torch's `fully_shard` per residual block and at the root, `DistributedSampler`, AdamW) and
+then each of `--modes`: the same 50M-parameter model, data, global batch and AdamW, through
+unison (`distrib_ctx(shard=True)` and variants: `release_memory=False`, `on_nonfinite=None`,
+`reshard_after_forward=False`, DDP) or the hand-written loop under the malloc setting that
+unison's `release_memory=True` makes (`hand-release`). Rank 0 reports training samples/s over
+the epochs after the first; both ranks report their CPU time over those epochs, the bytes of
+parameters, gradients and optimizer state they hold right after their first optimizer step,
+and their peak RSS. Ratios are per round (each mode against that round's hand-written run),
+reported as median and min-max.
 """
 
 from __future__ import annotations
@@ -29,24 +32,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- sharded-benchmark:begin -->", "<!-- sharded-benchmark:end -->"
-DIM, HIDDEN, BLOCKS, BS, STEPS, EPOCHS = 1024, 4096, 6, 16, 6, 3
-MODES = ("ddp", "shard", "shard-keep")  # shard-keep: reshard_after_forward=False
-# glibc raises its mmap threshold to the size of freed blocks (up to 32 MB), after which
-# freed weight-sized buffers stay in the heap and in RSS; a fixed threshold returns them.
-FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+DIM, HIDDEN, BLOCKS, BS = 1024, 4096, 6, 16
+STEPS, EPOCHS = int(os.environ.get("STEPS", "6")), int(os.environ.get("EPOCHS", "3"))
 
 
-def worker(mode: str) -> None:
+def _model():
     import torch
-    import torch.distributed as dist
     from torch import nn
-    from torch.distributed.tensor import DTensor
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from unison import Callback, DataLoaders, Learner, set_seed
-    from unison.distributed import num_distrib
-
-    torch.set_num_threads(1)
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -56,42 +48,136 @@ def worker(mode: str) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.down(torch.relu(self.up(x)))
 
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(BLOCKS)], nn.Linear(DIM, 10)), Block
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = BS * 2 * STEPS
+    return torch.randn(n, DIM, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _held(model, opt) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds (its shards under FSDP)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    held = {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "opt": sum(local_bytes(v) for v in state),
+    }
+    held["total"] = sum(held.values())
+    return held
+
+
+def _report(
+    mode: str, n_params: int, times: list[float], cpu: list[float], held: dict[str, int], n: int
+) -> None:
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    everyone = [None] * world
+    # CPU seconds (user + system, every thread) of the timed epochs: what the step costs this rank,
+    # much less moved than wall time by other jobs on a shared machine.
+    dist.all_gather_object(everyone, {"held": held, "rss_mb": rss_mb, "cpu_s": sum(cpu[1:])})
+    if dist.get_rank() == 0:
+        steady = sum(times[1:])
+        result = {
+            "mode": mode,
+            "params": n_params,
+            "world": world,
+            "samples_per_s": (len(times) - 1) * n / steady,
+            "cpu_ms_per_sample": 1000 * sum(r["cpu_s"] for r in everyone) / ((len(times) - 1) * n),
+            "ranks": everyone,
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def hand_worker(mode: str = "hand") -> None:
+    """The hand-written FSDP2 loop: torch's fully_shard per block and at the root, AdamW."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model, block = _model()
+    n_params = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in model:
+        if isinstance(m, block):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = _data()
+    sampler = DistributedSampler(TensorDataset(x, y), shuffle=True, seed=0)
+    dl = DataLoader(TensorDataset(x, y), batch_size=BS, sampler=sampler)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss_func = nn.CrossEntropyLoss()
+    times, cpu, held = [], [], {}
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for xb, yb in dl:
+            loss_func(model(xb), yb).backward()
+            opt.step()
+            if not held:
+                held = _held(model, opt)
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+    _report(mode, n_params, times, cpu, held, len(x))
+    dist.destroy_process_group()
+
+
+def worker(mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from unison import Callback, DataLoaders, Learner, set_seed
+
+    torch.set_num_threads(1)
 
     class Measure(Callback):
         def __init__(self) -> None:
             self.held: dict[str, int] = {}
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def before_train(self) -> None:
-            self._start = time.perf_counter()
+            self._start, self._cpu = time.perf_counter(), time.process_time()
 
         def after_train(self) -> None:
             self.times.append(time.perf_counter() - self._start)
+            self.cpu.append(time.process_time() - self._cpu)
 
         def after_step(self) -> None:  # before zero_grad: weights, gradients and optimizer state all live
-            learn = self.learn
-            params = list(learn.model.parameters())
-            state = [v for s in learn.opt.state.values() for v in s.values() if torch.is_tensor(v)]
-            held = {
-                "params": sum(local_bytes(p) for p in params),
-                "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-                "opt": sum(local_bytes(v) for v in state),
-            }
-            held["total"] = sum(held.values())
-            self.held = max(self.held, held, key=lambda h: h.get("total", 0))
+            if not self.held:
+                self.held = _held(self.learn.model, self.learn.opt)
 
     set_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(BLOCKS)], nn.Linear(DIM, 10))
+    model, _ = _model()
     n_params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(0)
-    n = BS * 2 * STEPS
-    x, y = torch.randn(n, DIM, generator=g), torch.randint(0, 10, (n,), generator=g)
+    x, y = _data()
     dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=BS, shuffle=True), None)
     measure = Measure()
-    learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-4, cbs=[measure])
+    nonfinite = None if mode == "shard-nocheck" else "stop"
+    learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-4, cbs=[measure], on_nonfinite=nonfinite)
     learn.recorder.print_table = False
     options: dict = {}
     if mode != "ddp":
@@ -99,35 +185,32 @@ def worker(mode: str) -> None:
         options["release_memory"] = mode != "shard-hold"
     with learn.distrib_ctx(**options):
         learn.fit(EPOCHS)
-        world = num_distrib()
-        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        everyone = [None] * world
-        dist.all_gather_object(everyone, {"held": measure.held, "rss_mb": rss_mb})
-        rank = dist.get_rank()
-    if rank == 0:
-        steady = sum(measure.times[1:])
-        result = {
-            "mode": mode,
-            "params": n_params,
-            "world": world,
-            "samples_per_s": (EPOCHS - 1) * n / steady,
-            "ranks": everyone,
-        }
-        print("RESULT " + json.dumps(result), flush=True)
+        _report(mode, n_params, measure.times, measure.cpu, measure.held, len(x))
+        dist.barrier()
 
 
-def launch(mode: str, malloc_env: dict[str, str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **malloc_env}
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", __file__, "--worker", mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+def launch(mode: str, extra_env: dict[str, str] | None = None) -> dict:
+    """One torchrun launch (2 processes x 1 thread) of a mode; rank 0's RESULT."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if mode == "hand-release":  # the hand-written loop with the malloc setting unison's default makes
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*cmd, __file__, "--worker", mode], env=env, capture_output=True, text=True, timeout=900
+    )
     found = re.findall(r"RESULT (\{.*\})", proc.stdout)
-    if proc.returncode != 0 or not found:
+    if not found:
         tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{tail}")
     return json.loads(found[0])
 
 
-def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) -> str:
+def spread(values: list[float]) -> str:
+    """Median, and the min-max range beside it."""
+    return f"**{statistics.median(values):.3f}** ({min(values):.3f}-{max(values):.3f})"
+
+
+def table(runs: dict[str, list[dict]], load: str) -> str:
     mb = 2**20
 
     def med(results: list[dict], pick) -> float:
@@ -136,72 +219,84 @@ def table(runs: dict[str, list[dict]], default_malloc: dict[str, list[dict]]) ->
     def held(mode: str, key: str) -> float:
         return med(runs[mode], lambda r: max(rank["held"][key] for rank in r["ranks"])) / mb
 
-    def rss(results: list[dict]) -> float:
-        return med(results, lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
+    def rss(mode: str) -> float:
+        return med(runs[mode], lambda r: max(rank["rss_mb"] for rank in r["ranks"]))
 
-    def row(name: str, values: list[float], fmt: str = "{:.0f}", bold: bool = False) -> str:
-        ratios = " / ".join(f"{v / values[0]:.2f}" for v in values[1:] if v == v)  # (NaN: not run)
-        cells = " | ".join(fmt.format(v) if v == v else "-" for v in values)
-        return f"| {name} | {cells} | {'**' + ratios + '**' if bold else ratios} |"
+    def ratios(mode: str, key: str, base: str = "hand") -> list[float]:
+        return [a[key] / b[key] for a, b in zip(runs[mode], runs[base], strict=True)]
 
-    first = runs["ddp"][0]
+    first = runs["hand"][0]
+    rounds = len(runs["hand"])
     lines = [
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), Python "
-        f"{platform.python_version()}, torch {__import__('torch').__version__}, gloo; {len(runs['ddp'])} "
-        f"interleaved rounds; medians. Model: {first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual "
-        f"blocks {DIM}-{HIDDEN}-{DIM} and a head), AdamW, {first['world']} processes x 1 thread, batch {BS} "
-        "per process. Bytes are what each rank holds right after an optimizer step.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs; {load}), Python "
+        f"{platform.python_version()}, torch {__import__('torch').__version__}, gloo, torchrun. Model: "
+        f"{first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual blocks {DIM}-{HIDDEN}-{DIM}, a head), "
+        f"AdamW, {first['world']} processes x 1 thread, batch {BS} per process, {STEPS} steps an epoch, "
+        f"{EPOCHS} epochs (the first not timed). {rounds} interleaved rounds: medians, and the min-max of "
+        "the per-round ratios. CPU ms per sample: user + system time of both ranks (all threads) over the "
+        "timed epochs. Bytes are what each rank holds right after its first optimizer step.",
         "",
-        "| per rank | DDP | sharded | sharded, `reshard_after_forward=False` | sharded / DDP (both) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| per rank | samples/s | speed / hand-written (min-max) | CPU ms per sample "
+        "| CPU / hand-written (min-max) | params+grads+AdamW MB | peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for key, name in (("params", "parameters MB"), ("grads", "gradients MB"), ("opt", "AdamW state MB")):
-        lines.append(row(name, [held(m, key) for m in MODES]))
-    lines.append(
-        row("**parameters + gradients + optimizer MB**", [held(m, "total") for m in MODES], bold=True)
-    )
-    fixed = " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items())
-    lines.append(row(f"peak RSS MB, `{fixed}`", [rss(runs[m]) for m in MODES]))
-    if default_malloc:
-        ddp, shard, hold = (rss(default_malloc[m]) for m in ("ddp", "shard", "shard-hold"))
-        nan = float("nan")
-        lines.append(row("peak RSS MB, no variable set (sharded: unison sets it)", [ddp, shard, nan]))
-        lines.append(row("peak RSS MB, no variable, `release_memory=False`", [ddp, hold, nan]))
-    speeds = [med(runs[m], lambda r: r["samples_per_s"]) for m in MODES]
-    lines.append(row(f"training samples/s, `{fixed}`", speeds, fmt="{:.1f}"))
-    if default_malloc:
-        ddp, shard, hold = (med(default_malloc[m], lambda r: r["samples_per_s"]) for m in default_malloc)
-        lines.append(row("training samples/s, no variable set", [ddp, shard, nan], fmt="{:.1f}"))
+    for mode in runs:
+        speed = med(runs[mode], lambda r: r["samples_per_s"])
+        cpu = med(runs[mode], lambda r: r["cpu_ms_per_sample"])
+        vs_speed = "1" if mode == "hand" else spread(ratios(mode, "samples_per_s"))
+        vs_cpu = "1" if mode == "hand" else spread(ratios(mode, "cpu_ms_per_sample"))
         lines.append(
-            row("training samples/s, no variable, `release_memory=False`", [ddp, hold, nan], fmt="{:.1f}")
+            f"| {LABELS[mode]} | {speed:.1f} | {vs_speed} | {cpu:.0f} | {vs_cpu} | {held(mode, 'total'):.0f} "
+            f"| {rss(mode):.0f} |"
         )
     return "\n".join(lines)
 
 
+LABELS = {
+    "hand": "hand-written FSDP2 loop (`fully_shard` per block and root)",
+    "hand-release": "hand-written, `MALLOC_MMAP_THRESHOLD_=65536` (what `release_memory=True` sets)",
+    "shard": "unison `distrib_ctx(shard=True)` (defaults)",
+    "shard-hold": "unison, `release_memory=False`",
+    "shard-nocheck": "unison, `on_nonfinite=None`",
+    "shard-keep": "unison, `reshard_after_forward=False`",
+    "ddp": "unison `distrib_ctx()` (DDP, unsharded)",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=(*MODES, "shard-hold"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worker", choices=tuple(LABELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=["shard-hold", "shard"], choices=tuple(LABELS))
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
+    if args.worker in ("hand", "hand-release"):
+        hand_worker(args.worker)
+        return
     if args.worker:
         worker(args.worker)
         return
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    default_malloc: dict[str, list[dict]] = {"ddp": [], "shard": [], "shard-hold": []}
+    modes = ["hand", *[m for m in args.modes if m != "hand"]]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
-        for mode in MODES:
-            runs[mode].append(launch(mode, FIXED_MALLOC))
-            print(f"round {i + 1} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
-    for mode in default_malloc:  # one round without the variable: what a user sees
-        default_malloc[mode].append(launch(mode, {}))
-        print(f"default malloc {mode}: {json.dumps(default_malloc[mode][-1])}", flush=True)
-    text = table(runs, default_malloc)
+        for mode in modes:
+            runs[mode].append(launch(mode))
+            r = runs[mode][-1]
+            print(
+                f"round {i + 1} {mode}: {r['samples_per_s']:.2f} samples/s, "
+                f"{r['cpu_ms_per_sample']:.0f} CPU ms/sample",
+                flush=True,
+            )
+    load = "load average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + " at the end"
+    text = table(runs, load)
     print(text)
     if not args.no_write:
         results = HERE / "RESULTS.md"
         old = results.read_text() if results.exists() else ""
-        section = f"{BEGIN}\n## Sharded vs DDP (`python benchmarks/sharded.py`)\n\n{text}\n{END}"
+        section = (
+            f"{BEGIN}\n## Sharded: unison vs a hand-written FSDP2 loop (`python benchmarks/sharded.py`)"
+            f"\n\n{text}\n{END}"
+        )
         if BEGIN in old and END in old:
             new = old[: old.index(BEGIN)] + section + old[old.index(END) + len(END) :]
         else:

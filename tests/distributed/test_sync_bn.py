@@ -326,3 +326,58 @@ def _subgroup_means():
 def test_process_group_scopes_the_statistics(pool3):
     # Ranks 0 and 1 share their mean (0.5); rank 2, outside the group, keeps its own.
     assert pool3.run(_subgroup_means) == [0.5, 0.5, 2.0]
+
+
+# ---------------------------------------------------------------- what a training step costs
+
+
+def _training_collectives():
+    """Two epochs under distrib_ctx() (exact BatchNorm): the collectives the second epoch's training
+    steps issued (from each batch's start to its optimizer step; the first epoch has one-time
+    collectives: the loader's seed, DDP's bucket rebuild), and whether the buffers match across ranks."""
+    import contextlib
+    import io
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    from tests.distributed.test_trainer import _bn_model, _learner
+    from unison import Callback
+
+    ops: Counter[str] = Counter()
+
+    class CountSteps(Callback):
+        prof = None
+
+        def before_batch(self):
+            if self.learn.training and self.learn.epoch == 1:
+                self.prof = profile()
+                self.prof.__enter__()
+
+        def after_step(self):
+            if self.prof is None:
+                return
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+            ops.update(e.name for e in prof.events() if e.name.startswith("c10d::"))
+            ops["steps"] += 1
+
+    learn = _learner(_bn_model, bs=8, cbs=[CountSteps()])
+    with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx():
+        learn.fit(2)
+    buffers = torch.cat([b.double().flatten() for b in learn.model.buffers()])
+    everyone = [torch.empty_like(buffers) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, buffers)
+    equal = all(torch.equal(buffers, b) for b in everyone)
+    gathers = sum(n for name, n in ops.items() if "allgather" in name)
+    return ops["steps"], ops["c10d::broadcast_"], gathers, equal
+
+
+def test_exact_batchnorm_training_issues_no_buffer_broadcast(pool2):
+    # Every buffer is a SyncBatchNorm's, updated from the same gathered statistics on every rank:
+    # DDP's broadcast of them before every forward (forward_sync_buffers) would only copy
+    # equal bytes. Two all_gathers per BN layer per step remain, and the buffers stay bitwise equal.
+    # 48 samples, 2 ranks x 8 a batch: 3 steps an epoch; one BatchNorm layer: its statistics in
+    # forward and its gradient sums in backward, one all_gather each (gloo answers small gathers
+    # faster than all_reduce).
+    assert pool2.run(_training_collectives) == [(3, 0, 6, True)] * 2

@@ -23,7 +23,7 @@ from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.group import setup_distrib, teardown_distrib
 from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
-from unison.distributed.sync_bn import convert_sync_batchnorm, revert_sync_batchnorm
+from unison.distributed.sync_bn import buffers_synchronised, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 
 #: DDP gradient bucket size on gloo (torch's default is 25). Measured with `benchmarks/run.py --knobs`
@@ -130,12 +130,16 @@ class DistributedTrainer(Callback):
         learn = self.learn
         collective = make_collective(learn, device, self.check_data)
         model = learn.model
+        kwargs = dict(self.ddp_kwargs)
         if self.sync_bn:
             model = convert_sync_batchnorm(model)
             self._converted = True
+            # Equal on every rank by construction: no per-step broadcast (DDP still syncs them at init).
+            user_set = {"broadcast_buffers", "forward_sync_buffers"} & set(kwargs)
+            if buffers_synchronised(model) and not user_set:
+                kwargs["forward_sync_buffers"] = False
         if any(p.requires_grad for p in model.parameters()):
             device_ids = [device.index] if device.type == "cuda" else None
-            kwargs = dict(self.ddp_kwargs)
             if dist.get_backend() == "gloo":
                 kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
             model = DistributedDataParallel(model, device_ids=device_ids, **kwargs)

@@ -29,7 +29,7 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 test: lint docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

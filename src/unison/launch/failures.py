@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,15 +32,23 @@ def preempted_headline(attempt_dir: str | os.PathLike[str]) -> str | None:
     >>> preempted_headline("/tmp/logs/attempt_0")
     'Preempted: preempted by SIGTERM: every rank stopped in epoch 0, after step 3; checkpoint written to ...'
     """
+    return next((h.strip() for _, h in error_headlines(attempt_dir) if h.startswith("Preempted:")), None)
+
+
+def error_headlines(attempt_dir: str | os.PathLike[str]) -> Iterator[tuple[str, str]]:
+    """(rank, message) of each rank's error file (`rank<R>.error.json`, torch's) in that attempt;
+    a torn or unreadable file is passed over (a kill may cut its write short).
+
+    >>> list(error_headlines("/tmp/logs/attempt_0"))
+    [('0', 'DiskFullError: disk full (ENOSPC; ...) writing ...')]
+    """
     for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
         try:
             message = json.loads(error_file.read_text())["message"]
             headline = str(message["message"] if isinstance(message, dict) else message)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if headline.startswith("Preempted:"):
-            return headline.strip()
-    return None
+        yield error_file.name.split(".")[0].removeprefix("rank"), headline
 
 
 def said_preempted(log_dir: str, signame: str | None) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
-from unison.launch.failures import exit_phrase, oom_kills
+from unison.launch.failures import error_headlines, exit_phrase, oom_kills
 from unison.launch.rendezvous import private_dir, private_files
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
@@ -267,13 +267,7 @@ def pointless_restart(attempt_dir: str) -> str | None:
     >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
     'rank 0 failed with DiskFullError: disk full (ENOSPC; OSError: [Errno 28] ...) writing ...'
     """
-    for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
-        try:
-            message = json.loads(error_file.read_text())["message"]
-            headline = str(message["message"] if isinstance(message, dict) else message)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    for rank, headline in error_headlines(attempt_dir):
         if any(headline.startswith(f"{name}:") or f".{name}:" in headline for name in _HOPELESS):
-            rank = error_file.name.split(".")[0].removeprefix("rank")
             return f"rank {rank} failed with {headline.strip()}"
     return None

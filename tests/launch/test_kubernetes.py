@@ -247,9 +247,10 @@ def test_an_elastic_job_that_loses_a_pod_for_good_goes_on_alone_at_a_smaller_glo
 ) -> None:
     """Elastic 1:2 with restarts, a pod lost after step 5 and never replaced: after the rendezvous'
     last call the other pod goes on alone (W=1) from the checkpoint, at global batch 8 instead of 16,
-    so it ends (on one rank) but not on the uninterrupted weights. unison says nothing of the change
-    yet (issue 22's report: a note at resume would)."""
+    so it ends (on one rank) but not on the uninterrupted weights, and says so in one warning line at
+    the resume. The rendezvous' last call is 5 s here (torch's default 30 s only makes the test wait)."""
     env = pod_elastic(f"{machines.addrs[0]}:{29000 + free_port() % 1000}", restarts=3)
+    env["PET_RDZV_CONF"] = "last_call_timeout=5"
     script = ["--cue-rank", "0", "--at", "5", "--cue", "hold"]
     pods = [
         Job(tmp_path, script_args=script, nproc=None, prefix=machines.cmd(i, []), env=env) for i in (0, 1)
@@ -265,6 +266,7 @@ def test_an_elastic_job_that_loses_a_pod_for_good_goes_on_alone_at_a_smaller_glo
     assert "restarting the workers" in pods[0].err, pods[0].err[-3000:]
     assert re.findall(r"WEIGHTS rank(\d)", pods[0].out) == ["0"]  # one rank: W=1
     assert weights(pods[0].out) != {uninterrupted}  # another global batch: another run
+    assert "GlobalBatchChangedWarning" in pods[0].err and "the interrupted run had 16" in pods[0].err
     steps = re.findall(r"STEPS rank0 (\d+)", pods[0].out)
     assert steps in (["6"], ["8"]), steps  # 48 or 64 samples left, 8 a step
 

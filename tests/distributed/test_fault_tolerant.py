@@ -106,6 +106,15 @@ def finish(proc, timeout):
     return Path(proc.log).read_text()
 
 
+def stop_all(procs, lighthouse):
+    """No replica or lighthouse outlives its test, passed or failed."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    lighthouse.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("data", [[], ["--sampler"]], ids=["shuffled-loader", "uneven-batch-sampler"])
@@ -141,11 +150,7 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
         for p, text in zip(procs[:2] + procs[3:], logs, strict=True):
             assert p.returncode == 0, f"die_at={die_at}\n{text[-3000:]}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
+        stop_all(procs, lighthouse)
     want = torch.load(tmp_path / "plain.pt")["weights"]
     runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1", "r2")}
     n_iter = runs["r0"]["steps_per_epoch"]  # 16 full batches of 12, or 23 uneven ones
@@ -233,11 +238,7 @@ def test_after_losing_every_replica_the_job_resumes_from_checkpoints_and_ends_on
             for p, log in zip(procs, logs, strict=True):
                 assert p.returncode == want, f"die_at={die_at} {attempt}\n{log[-3000:]}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
+        stop_all(procs, lighthouse)
     want = torch.load(tmp_path / "plain.pt")["weights"]
     for r in range(3):
         run = torch.load(tmp_path / f"resumed-r{r}.pt")

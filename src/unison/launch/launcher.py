@@ -209,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _slurm_defaults(a: argparse.Namespace, argv: Sequence[str]) -> None:
+def _scheduler_defaults(a: argparse.Namespace, argv: Sequence[str]) -> None:
     """Under `srun --ntasks-per-node=1 unison launch ...` or in a PyTorchJob's pod: the machines, this
     one's rank and node 0's address and port come from SLURM or the pod (`launch.kubernetes.node_layout`)."""
     from unison.launch.kubernetes import node_layout
@@ -237,7 +237,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     unison.launch.options.LaunchError: --nproc must be at least 1, got 0
     """
     a = _parser().parse_args(list(argv))
-    _slurm_defaults(a, argv)
+    _scheduler_defaults(a, argv)
     a.nproc = parse_nproc(a.nproc)
     torchrun = torchrun_choices(a)  # may move torchrun's spellings onto unison's own options
     if torchrun.entry == "script" and not os.path.isfile(a.script):

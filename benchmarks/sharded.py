@@ -7,13 +7,15 @@
 Each round launches, with torchrun (2 processes x 1 thread, gloo), the hand-written loop
 (torch's `fully_shard` per residual block and at the root, `DistributedSampler`, AdamW) and
 then each of `--modes`: the same 50M-parameter model, data, global batch and AdamW, through
-unison (`distrib_ctx(shard=True)` and variants: `release_memory=False`, `on_nonfinite=None`,
+unison (`distrib_ctx(shard=True)` and variants: `release_memory=True`, `on_nonfinite=None`,
 `reshard_after_forward=False`, DDP) or the hand-written loop under the malloc setting that
-unison's `release_memory=True` makes (`hand-release`). Rank 0 reports training samples/s over
-the epochs after the first; both ranks report their CPU time over those epochs, the bytes of
-parameters, gradients and optimizer state they hold right after their first optimizer step,
-and their peak RSS. Ratios are per round (each mode against that round's hand-written run),
-reported as median and min-max.
+unison's `release_memory=True` makes (`hand-release`). Every round runs them all under each of
+`--envs`: torchrun's environment, and the one `unison launch` gives its workers
+(`THP_MEM_ALLOC_ENABLE=1`), the hand-written loop included, each environment its own table.
+Rank 0 reports training samples/s over the epochs after the first; both ranks report their CPU
+time over those epochs, the bytes of parameters, gradients and optimizer state they hold right
+after their first optimizer step, and their peak RSS. Ratios are per round (each mode against
+that round's hand-written run in the same environment), reported as median and min-max.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def worker(mode: str) -> None:
     options: dict = {}
     if mode != "ddp":
         options = {"shard": True, "reshard_after_forward": mode != "shard-keep"}
-        options["release_memory"] = mode != "shard-hold"
+        options["release_memory"] = mode == "shard-release"
     with learn.distrib_ctx(**options):
         learn.fit(EPOCHS)
         _report(mode, n_params, measure.times, measure.cpu, measure.held, len(x))
@@ -228,7 +230,7 @@ def table(runs: dict[str, list[dict]], load: str) -> str:
     first = runs["hand"][0]
     rounds = len(runs["hand"])
     lines = [
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs; {load}), Python "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({load}), Python "
         f"{platform.python_version()}, torch {__import__('torch').__version__}, gloo, torchrun. Model: "
         f"{first['params'] / 1e6:.1f}M parameters ({BLOCKS} residual blocks {DIM}-{HIDDEN}-{DIM}, a head), "
         f"AdamW, {first['world']} processes x 1 thread, batch {BS} per process, {STEPS} steps an epoch, "
@@ -256,10 +258,21 @@ LABELS = {
     "hand": "hand-written FSDP2 loop (`fully_shard` per block and root)",
     "hand-release": "hand-written, `MALLOC_MMAP_THRESHOLD_=65536` (what `release_memory=True` sets)",
     "shard": "unison `distrib_ctx(shard=True)` (defaults)",
-    "shard-hold": "unison, `release_memory=False`",
+    "shard-release": "unison, `release_memory=True`",
     "shard-nocheck": "unison, `on_nonfinite=None`",
     "shard-keep": "unison, `reshard_after_forward=False`",
     "ddp": "unison `distrib_ctx()` (DDP, unsharded)",
+}
+
+
+#: Each environment runs every mode (hand-written loop included) and gets its own table.
+ENVS: dict[str, tuple[str, dict[str, str]]] = {
+    "torchrun": ("As torchrun starts them (glibc and torch defaults)", {"THP_MEM_ALLOC_ENABLE": "0"}),
+    "thp": (
+        "As `unison launch` starts them (`THP_MEM_ALLOC_ENABLE=1`: torch backs CPU buffers of 2 MB and "
+        "more with transparent huge pages), the hand-written loop too",
+        {"THP_MEM_ALLOC_ENABLE": "1"},
+    ),
 }
 
 
@@ -267,7 +280,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=tuple(LABELS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=["shard-hold", "shard"], choices=tuple(LABELS))
+    parser.add_argument("--modes", nargs="+", default=["shard", "shard-release"], choices=tuple(LABELS))
+    parser.add_argument(
+        "--envs",
+        nargs="+",
+        default=list(ENVS),
+        choices=tuple(ENVS),
+        help="malloc environments, each a table (default: torchrun's and the one `unison launch` sets)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     if args.worker in ("hand", "hand-release"):
@@ -277,18 +297,19 @@ def main() -> None:
         worker(args.worker)
         return
     modes = ["hand", *[m for m in args.modes if m != "hand"]]
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    runs: dict[str, dict[str, list[dict]]] = {e: {m: [] for m in modes} for e in args.envs}
     for i in range(args.repeats):
-        for mode in modes:
-            runs[mode].append(launch(mode))
-            r = runs[mode][-1]
-            print(
-                f"round {i + 1} {mode}: {r['samples_per_s']:.2f} samples/s, "
-                f"{r['cpu_ms_per_sample']:.0f} CPU ms/sample",
-                flush=True,
-            )
+        for env in args.envs:  # interleaved: every environment and mode once a round
+            for mode in modes:
+                runs[env][mode].append(launch(mode, ENVS[env][1]))
+                r = runs[env][mode][-1]
+                print(
+                    f"round {i + 1} {env} {mode}: {r['samples_per_s']:.2f} samples/s, "
+                    f"{r['cpu_ms_per_sample']:.0f} CPU ms/sample",
+                    flush=True,
+                )
     load = "load average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + " at the end"
-    text = table(runs, load)
+    text = "\n\n".join(f"{ENVS[env][0]}:\n\n{table(runs[env], load)}" for env in args.envs)
     print(text)
     if not args.no_write:
         results = HERE / "RESULTS.md"

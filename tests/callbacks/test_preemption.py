@@ -246,6 +246,47 @@ def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_pat
     assert time.monotonic() - start < 45  # not the 60 s sleep
 
 
+def fit_with_a_slow_save_signalled(path: str, seconds: float) -> None:
+    """Fit where the first checkpoint write gets SIGTERM as it begins and then takes `seconds`
+    (a slow disk), longer than the stall limit."""
+    import time
+
+    real_save = checkpoint_callback.atomic_save
+
+    def slow_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(seconds)
+        return real_save(*args, **kwargs)
+
+    checkpoint_callback.atomic_save = slow_save
+    _fit(_learner(Path(path)))
+
+
+@pytest.mark.slow  # a fresh interpreter: about 10 s
+def test_a_checkpoint_write_longer_than_the_stall_limit_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+    """A signal that arrives while a checkpoint is being written, on a disk slow enough that the write
+    outlasts the stall limit: the write is progress, so the rank finishes it, writes the preemption
+    checkpoint and exits 75, instead of being killed by the signal mid-write (which kept only the
+    previous checkpoint)."""
+    import subprocess
+    import sys
+
+    from unison.callbacks.preemption import STALL_S
+
+    code = (
+        "import os, sys; sys.path[:0] = [os.environ['SRC']]\n"
+        "from tests.callbacks.test_preemption import fit_with_a_slow_save_signalled\n"
+        f"fit_with_a_slow_save_signalled({str(tmp_path)!r}, {STALL_S + 2})\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == PREEMPTED_EXIT, done.stderr[-2000:]
+    state = torch.load(tmp_path / "models" / "checkpoint.pth", weights_only=True)
+    assert (state["epoch"], state["steps_done"]) == (0, 4)  # the write the signal interrupted (every=4)
+    assert "preempted" in done.stderr.lower()
+
+
 # ---- which signals ---------------------------------------------------------------------------------
 def test_signal_names_numbers_and_the_environment() -> None:
     assert parse_signals("SIGTERM, usr1,12") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

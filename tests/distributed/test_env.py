@@ -56,3 +56,39 @@ def test_threads_share_the_cores():
     assert threads_per_worker(2, cores=16) == 8
     assert threads_per_worker(3, cores=16) == 5
     assert threads_per_worker(4, cores=2) == 1
+
+
+def _anon_huge_kb(env: dict) -> int:
+    """A fresh interpreter fills a 64 MB tensor; its AnonHugePages (kB) as the kernel counts them."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "t = torch.ones(16 * 2**20)\n"
+        "print(next(l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')).split()[1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    return int(out.stdout.strip())
+
+
+def test_the_launchers_huge_pages_setting_backs_large_tensors_with_huge_pages(monkeypatch):
+    # What `unison launch` exports (huge_pages_env) is a setting torch honours: a 64 MB tensor lands
+    # on 2 MB pages with it, not without (THP in the kernel's `madvise` mode, this project's machines).
+    from pathlib import Path
+
+    from unison.distributed.env import huge_pages_env
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("the kernel's transparent huge pages are not in madvise mode here")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    exported = huge_pages_env()
+    assert exported == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert _anon_huge_kb(exported) >= 32 * 1024  # most of the 64 MB on huge pages
+    assert _anon_huge_kb({"THP_MEM_ALLOC_ENABLE": "0"}) < 8 * 1024
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert huge_pages_env() == {}  # the user's setting wins

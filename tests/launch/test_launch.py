@@ -180,12 +180,14 @@ def test_port_in_use_on_node_zero(script: str) -> None:
 def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     one = launch_mod.plan_launch(launch_mod.parse_options(["--nproc", "2", "--timeout", "7", script]), "/x")
     # One machine: the agents rendezvous through a file (no port at all, never 29500).
     assert one.config.rdzv_backend == "c10d" and one.config.rdzv_configs["store_type"] == "file"
     assert "unison-rendezvous-" in one.config.rdzv_endpoint and one.config.local_addr == "127.0.0.1"
     assert one.env["OMP_NUM_THREADS"] == str(threads_per_worker(2))
     assert one.env["UNISON_TIMEOUT"] == "7.0" and one.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert one.env["THP_MEM_ALLOC_ENABLE"] == "1"  # torch's huge pages for large CPU tensors
     assert one.args == ["-m", "unison.launch.worker", script]
     port = str(free_port())
     static = launch_mod.parse_options(
@@ -225,8 +227,10 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     assert plan.config.rdzv_configs["is_host"] is True
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice wins, nothing re-exported
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     plan = launch_mod.plan_launch(launch_mod.parse_options([script]), "/x")
     assert plan.env["OMP_NUM_THREADS"] == "3" and "GLOO_SOCKET_IFNAME" not in plan.env
+    assert "THP_MEM_ALLOC_ENABLE" not in plan.env
 
 
 def test_env_report_and_cli(capsys: pytest.CaptureFixture[str]) -> None:

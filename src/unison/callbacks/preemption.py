@@ -21,8 +21,9 @@ callback (`Learner(on_preempt="stop" | "requeue" | None)`). While `fit` runs:
    into it; the job resubmitted with `fit(..., resume=True)` ends on the uninterrupted weights.
 
 A rank that completes no batch for `STALL_S` after the signal (or 3x its slowest batch) and has not
-agreed to stop is stuck (torch's agent stops the survivors of a failed rank with SIGTERM too): the
-signal is sent to it again and left to its default action, so it ends at once, as it did before.
+agreed to stop, and is not writing a checkpoint, is stuck (torch's agent stops the survivors of a
+failed rank with SIGTERM too): the signal is sent to it again and left to its default action, so it
+ends at once, as it did before.
 
 Which signals: `Preemption(signals=...)`, else `UNISON_PREEMPT_SIGNALS`, else the launcher's
 `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun's and `unison launch`'s `--signals-to-handle`, which
@@ -143,6 +144,11 @@ class Preemption(Callback):
         self._ckpt = next((cb for cb in self.learn.cbs if isinstance(cb, Checkpoint)), None)
         self._steps, self._next_check = 0, 1  # optimizer steps of this fit; the first is checked
         self._checked_at, self._since = time.perf_counter(), 0
+
+    def writing_checkpoint(self) -> bool:
+        """Whether this rank is writing a checkpoint now (a save that outlasts the stall limit is
+        not a hang: a collective inside it is bounded by the group's timeout)."""
+        return self._ckpt is not None and self._ckpt.writing
 
     def stall_limit(self) -> float:
         """Seconds without a batch after which a signalled rank counts as stuck (`STALL_S`)."""
@@ -293,11 +299,14 @@ def _watch_stall(
     """After a signal: if this rank completes no batch within `cb.stall_limit()` and the ranks have
     not agreed to stop, send the signal again, which the handler then leaves to its default action
     (a hung rank, which torch's agent stops with SIGTERM when another rank failed, ends at once)."""
-    signalled = time.monotonic()
+    quiet_since = time.monotonic()
     while not done.wait(0.1):
         if cb.decided:
             return
-        if time.monotonic() - max(signalled, cb.progress_at) > cb.stall_limit():
+        if cb.writing_checkpoint():  # a long write is progress: the stall clock starts at its end
+            quiet_since = time.monotonic()
+            continue
+        if time.monotonic() - max(quiet_since, cb.progress_at) > cb.stall_limit():
             escalate.set()
             # to the main thread: its blocking call (a sleep, a wait) is interrupted and the handler runs
             signal.pthread_kill(threading.main_thread().ident or 0, sig)

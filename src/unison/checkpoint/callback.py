@@ -59,6 +59,8 @@ class Checkpoint(Callback):
             raise ValueError(f"Checkpoint: every must be a positive int or None, got {every!r}")
         self.every, self.fname, self.keep_previous = every, fname, keep_previous
         self.saves = 0
+        #: True while a save runs: a write in progress is progress (the preemption stall rule reads it).
+        self.writing = False
 
     @property
     def file(self) -> Path:
@@ -87,6 +89,13 @@ class Checkpoint(Callback):
 
     def save(self, epoch: int, batches_done: int) -> Path:
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
+        self.writing = True
+        try:
+            return self._save(epoch, batches_done)
+        finally:
+            self.writing = False
+
+    def _save(self, epoch: int, batches_done: int) -> Path:
         learn = self.learn
         collective = learn.collective
         # A stateful stream's state on every rank (each reads its own part), mid-epoch only.

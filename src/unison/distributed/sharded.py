@@ -172,7 +172,9 @@ class ShardedTrainer(Callback):
       (reduce-scatters zeros for them, as DDP's option of that name).
     - `reshard_after_forward`: free each block's full weights after its forward (less memory,
       one more all-gather in backward).
-    - `release_memory`: on a CPU, have glibc return freed buffers (`return_freed_memory`).
+    - `release_memory`: on a CPU, have glibc return freed buffers (`return_freed_memory`): a lower
+      peak of memory for more CPU time a step (measured in benchmarks/RESULTS.md); off by default,
+      as in a hand-written FSDP2 loop.
 
     >>> with learn.distrib_ctx(shard=True):
     ...     learn.fit(3)
@@ -190,7 +192,7 @@ class ShardedTrainer(Callback):
         cpu_offload: bool = False,
         find_unused_parameters: bool = False,
         reshard_after_forward: bool = True,
-        release_memory: bool = True,
+        release_memory: bool = False,
         check_data: bool = True,
         backend: str | None = None,
     ):

@@ -87,6 +87,8 @@ Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, M
            1: OMP_NUM_THREADS is exported unless you set it, and torch.set_num_threads follows it.
   gloo     GLOO_SOCKET_IFNAME is the interface that routes to the master address (loopback on
            one machine), unless you set it.
+  memory   THP_MEM_ALLOC_ENABLE=1 (Linux), unless you set it: torch backs CPU tensors of 2 MB
+           and more with transparent huge pages (fewer page faults; see benchmarks/RESULTS.md).
 Output: every rank's stdout and stderr, each line prefixed with the rank ([rank1] ...);
 --local-ranks-filter 0 shows local rank 0 alone, --redirects 1 (2, 3) keeps stdout (stderr,
 both) off the console. Every rank's output is also written to
@@ -327,12 +329,13 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.elastic.utils import macros
     from torch.distributed.launcher.api import LaunchConfig
 
-    from unison.distributed.env import threads_per_worker
+    from unison.distributed.env import huge_pages_env, threads_per_worker
     from unison.distributed.group import TIMEOUT_ENV
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid())}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
     if opts.backend is not None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
-from unison.distributed.env import threads_per_worker
+from unison.distributed.env import huge_pages_env, threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -174,11 +174,13 @@ def _agent_state() -> Iterator[None]:
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
     # group the user makes on a port of their choosing (seed 003) would wait forever for a server.
-    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    huge_pages = huge_pages_env()  # as `unison launch` exports (a fresh interpreter reads it at start)
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages)
     saved_env = {name: os.environ.get(name) for name in names}
     in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
     saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.update(huge_pages)
     try:
         yield
     finally:

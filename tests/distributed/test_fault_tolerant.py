@@ -5,6 +5,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,23 @@ def test_unison_launch_refuses_bad_replica_options_in_one_line_before_anything_s
     err = capsys.readouterr().err
     assert err.startswith(f"unison launch: error: {said}") and err.count("\n") == 1, err
     assert not marker.exists()
+
+
+def test_unison_launch_refuses_to_start_a_lighthouse_on_a_port_in_use_in_one_line(capsys, tmp_path):
+    from unison.launch.launcher import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--start-lighthouse", "--lighthouse-port", str(port), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"unison launch: error: --start-lighthouse: port {port} is already in use on this machine (another "
+        "lighthouse?): join it with --lighthouse http://host:port, or choose --lighthouse-port\n"
+    )
 
 
 def test_unison_launch_exports_the_lighthouse_and_the_replica_id_to_its_workers(tmp_path):

@@ -30,6 +30,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from unison.launch.network import port_in_use
+
 #: torchft's own variable for the lighthouse's address (`http://host:port`).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: The replica group's name: a restarted group keeps it (its launcher's `--replica-id`).
@@ -176,6 +178,11 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
             f"--replica-id {a.replica_id!r}: use letters, digits, '.', '_' or '-' (names the group in logs)"
         )
     port = DEFAULT_PORT if a.lighthouse_port is None else a.lighthouse_port
+    if a.start_lighthouse and port and port_in_use(port):
+        raise LighthouseOptionError(
+            f"--start-lighthouse: port {port} is already in use on this machine (another lighthouse?): "
+            "join it with --lighthouse http://host:port, or choose --lighthouse-port"
+        )
     return ReplicaOptions(a.lighthouse, a.start_lighthouse, a.min_replicas or 1, port, a.replica_id)
 
 

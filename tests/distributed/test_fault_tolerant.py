@@ -267,9 +267,17 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
         assert p.returncode == 0, f"die_at={die_at}\n{text[-4000:]}"
     a_log, b_log = logs
     assert "restarting replica a" not in a_log, f"die_at={die_at}: group a restarted\n{a_log[-3000:]}"
-    # The survivors name the replica they lost, and the one that came back.
-    assert "failed with 2 replicas; redone with 1 over the same items; replica(s) b left the quorum" in a_log
-    assert "replica(s) b joined the quorum (2 replicas now)" in a_log
+    # The survivors name the replica they lost, and say when it came back: after their redo, or (a
+    # quick restart) already in the redo's quorum.
+    redo = re.search(
+        r"epoch 0 step (\d+) failed with 2 replicas; redone with ([12]) over the same items; "
+        r"replica\(s\) b left the quorum( and rejoined \(restarted\))?\n",
+        a_log,
+    )
+    assert redo and int(redo.group(1)) == die_at, f"die_at={die_at}\n{a_log[-3000:]}"
+    quick = redo.group(3) is not None
+    assert redo.group(2) == ("2" if quick else "1")
+    assert quick or "replica(s) b joined the quorum (2 replicas now)" in a_log
     # The launcher names the replica, the worker and how it ended; only this group restarts.
     restart = re.search(
         r"unison launch: replica b: worker rank (\d) exited with ([^;]+); restarting replica b "
@@ -289,12 +297,12 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
     for name in ("a0", "a1"):  # never restarted: trained every step, redid the one in flight
         assert runs[name]["steps"] == total, f"die_at={die_at}: {name} {runs[name]['steps']}"
         assert runs[name]["events"]["redone"] >= 1
-        assert 1 in runs[name]["events"]["participants"][die_at:]
+        assert quick or 1 in runs[name]["events"]["participants"][die_at:]  # went on alone
         assert runs[name]["events"]["participants"][:die_at] == [2] * die_at  # both groups from step 0
     healed = runs["b0"]["events"]["healed_at"]
     assert healed is not None and healed == runs["b1"]["events"]["healed_at"], f"die_at={die_at}"
     joined = healed[0] * runs["a0"]["steps_per_epoch"] + healed[1]
-    assert joined > die_at and runs["b0"]["steps"] == runs["b1"]["steps"] == total - joined
+    assert joined >= die_at and runs["b0"]["steps"] == runs["b1"]["steps"] == total - joined
 
 
 @pytest.mark.slow

@@ -71,12 +71,14 @@ class QuorumWitness:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.replica_ids: list[str] = []  # the latest quorum's replicas, by name
+        self.starts: list[str] = []  # ... and by start ("<name>:<uuid>": a restart is another one)
         self.healed_from: str | None = None  # the replica the latest heal copied
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
         # torchft names a replica "<replica id>:<uuid of this start>"; the name is the user's.
-        names = [str(r).split(":")[0] for r in quorum.replica_ids]
+        self.starts = [str(r) for r in quorum.replica_ids]
+        names = [_name(r) for r in self.starts]
         self.replica_ids = names
         source = quorum.recover_src_replica_rank
         self.healed_from = (
@@ -86,6 +88,11 @@ class QuorumWitness:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def _name(start: str) -> str:
+    """The replica's name in torchft's id of one of its starts (`<name>:<uuid>`)."""
+    return start.split(":")[0]
 
 
 def _rows(x: Any, part: int, parts: int) -> Any:
@@ -256,7 +263,7 @@ class FaultTolerantTrainer(Callback):
             self._position = self._healed_to
             self._healed_to = None
         self._quorum_ready = True
-        self._members = self._witness.replica_ids
+        self._members = self._witness.starts
 
     def _wait_for_start_replicas(self) -> None:
         """The first step waits until `start_replicas` replicas take part (replicas started together
@@ -304,12 +311,17 @@ class FaultTolerantTrainer(Callback):
     def _say_membership(self, redo: bool = False) -> str:
         """Say which replicas joined the quorum since the last one (and which left, between steps);
         return which left ("" if none), for a redo's line."""
-        was, now = self._members, self._witness.replica_ids
+        was, now = self._members, self._witness.starts
         self._members = now
-        left, joined = [r for r in was if r not in now], [r for r in now if r not in was]
+        left = [_name(r) for r in was if r not in now]
+        joined = [_name(r) for r in now if r not in was]
+        back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
+        left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
         if joined and was:
             self._say(f"replica(s) {', '.join(joined)} joined the quorum ({len(now)} replicas now)")
-        lost = f"replica(s) {', '.join(left)} left the quorum" if left else ""
+        said = [f"replica(s) {', '.join(left)} left the quorum"] if left else []
+        said += [f"replica(s) {', '.join(back)} left the quorum and rejoined (restarted)"] if back else []
+        lost = "; ".join(said)
         if lost and not redo:
             self._say(f"{lost} between steps ({len(now)} replicas now)")
         return lost

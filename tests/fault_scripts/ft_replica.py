@@ -40,12 +40,16 @@ parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself mid-s
 parser.add_argument("--die-rank", type=int, default=0, help="which rank of a replica group --die-at kills")
 parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
+parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
 parser.add_argument("--start-replicas", type=int, default=1, help="replicas the first step waits for")
 args = parser.parse_args()
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 out = f"{args.out}.rank{rank}" if world > 1 and not args.ddp else args.out  # each rank of a replica group
 # Under `unison launch --max-restarts`: only the first attempt dies (the restarted group heals and goes on).
-dies = rank == args.die_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+dies = rank == args.die_rank and not restarted
+if restarted:
+    time.sleep(args.restart_delay)  # a machine slower to come back than the others' redo
 
 
 class Pace(Callback):

@@ -22,6 +22,8 @@ from unison.data.batch import DataLoaders
 
 torchft = pytest.importorskip("torchft")
 
+from tests.launch.test_launch import free_port  # noqa: E402
+from tests.launch.test_multinode import machines  # noqa: E402, F401  (fixture: two network namespaces)
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
@@ -235,14 +237,15 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
 
 
-def group_launch(out, name, *args, lighthouse):
+def group_launch(out, name, *args, lighthouse, where=None):
     """One replica group: `unison launch --nproc 2 --lighthouse ADDRESS --replica-id NAME --max-restarts 1`;
     `lighthouse=None`: `--start-lighthouse` instead (on a free port, serving for the launch's life)."""
     join = ["--lighthouse", lighthouse] if lighthouse else ["--start-lighthouse", "--lighthouse-port", "0"]
     launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", *join]
     launch += ["--replica-id", name, "--max-restarts", "1"]
-    with open(f"{out}.log", "w") as log:
-        proc = subprocess.Popen([*launch, str(SCRIPT), "--out", str(out), *args], stdout=log, stderr=log)
+    cmd = [*launch, str(SCRIPT), "--out", str(out), *args]
+    with open(f"{out}.log", "w") as log:  # `where`: a command prefix (another network namespace)
+        proc = subprocess.Popen(where(cmd) if where else cmd, stdout=log, stderr=log)
     proc.log = f"{out}.log"
     return proc
 
@@ -298,6 +301,48 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
     assert healed is not None and healed == runs["b1"]["events"]["healed_at"], f"die_at={die_at}"
     joined = healed[0] * runs["a0"]["steps_per_epoch"] + healed[1]
     assert joined > die_at and runs["b0"]["steps"] == runs["b1"]["steps"] == total - joined
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_killed_process(
+    machines,  # noqa: F811
+    tmp_path,
+):
+    die_at = random.randint(3, 10)  # a random global step (of 48); printed on failure
+    common = ["--epochs", "3", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "3"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
+    serve = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
+    lighthouse = subprocess.Popen(
+        machines.cmd(0, serve), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    procs = [lighthouse]
+    try:
+        assert lighthouse.stdout.readline().startswith(f"{LIGHTHOUSE_ENV}=http://")
+        address = f"http://{machines.addrs[0]}:{port}"  # the host name maps to 127.0.0.1 in both
+        a_cmd, b_cmd = (lambda cmd, i=i: machines.cmd(i, cmd) for i in (0, 1))
+        procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=address, where=a_cmd))
+        doomed = ["--die-at", str(die_at), "--die-rank", "1"]
+        procs.append(group_launch(tmp_path / "b.pt", "b", *common, *doomed, lighthouse=address, where=b_cmd))
+        logs = [finish(p, timeout=200) for p in procs[1:]]
+    finally:
+        stop_all(procs, None)
+    for p, text in zip(procs[1:], logs, strict=True):
+        assert p.returncode == 0, f"die_at={die_at}\n{text[-4000:]}"
+    a_log, b_log = logs
+    assert "gloo via unvA" in a_log and "gloo via unvB" in b_log  # the interfaces between the two hosts
+    assert f"epoch 0 step {die_at} failed with 2 replicas; redone with" in a_log
+    assert "restarting replica b (1/1); the other replicas keep training" in b_log
+    assert "healed from a live peer (replica a)" in b_log
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {f"{g}{r}": torch.load(tmp_path / f"{g}.pt.rank{r}") for g in "ab" for r in (0, 1)}
+    for name, run in runs.items():
+        for key, value in want.items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+            assert torch.equal(run["weights"][key], runs["a0"]["weights"][key]), f"{name} {key}"
+    assert runs["a0"]["steps"] == 3 * runs["a0"]["steps_per_epoch"]  # group a never restarted
 
 
 @pytest.mark.slow

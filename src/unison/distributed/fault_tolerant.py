@@ -177,7 +177,11 @@ class FaultTolerantTrainer(Callback):
         self.created_group = setup_distrib(timeout=self.timeout, backend="gloo")
         if group_active():
             self.group_rank, self.group_size = dist.get_rank(), dist.get_world_size()
-        host = socket.gethostname()
+        from torchft.checkpointing import HTTPTransport
+
+        from unison.launch.lighthouse import advertised_host
+
+        host = advertised_host(self.lighthouse)  # the host name on one machine
         if self.group_rank == 0:
             self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         # Group rank 0's store, name and data seed for every rank of the group (one replica id, one order).
@@ -188,6 +192,10 @@ class FaultTolerantTrainer(Callback):
         if seed != learn.data_seed:
             learn.data_seed = seed
         limit = timedelta(seconds=self.timeout)
+        transport: Any = HTTPTransport(timeout=limit, num_chunks=0)
+        if host != socket.gethostname():  # torchft 0.2.0 names its checkpoint server by host name only
+            served = transport._server.socket.getsockname()[1]
+            transport.address = lambda: f"http://{host}:{served}/checkpoint/"
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=limit),
             load_state_dict=self._load_state,
@@ -203,6 +211,8 @@ class FaultTolerantTrainer(Callback):
             store_port=port,
             lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id,
+            hostname=host,
+            checkpoint_transport=transport,
         )
         self._witness = QuorumWitness(self.manager._client)
         self.manager._client = self._witness  # (torchft keeps each quorum's members to itself)

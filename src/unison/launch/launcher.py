@@ -361,7 +361,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in opts.gpus)
-    iface = interface_for(opts.master_host)
+    # A torchft lighthouse on another machine: the other replica groups are reached the same way.
+    iface = interface_for(opts.replica.reach_host() or opts.master_host)
     gloo = os.environ.get("GLOO_SOCKET_IFNAME") or (iface[0] if iface else None)
     if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = gloo

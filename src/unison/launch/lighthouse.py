@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
-from unison.launch.network import port_in_use
+from unison.launch.network import interface_for, port_in_use, resolve
+from unison.launch.options import LaunchError
 
 #: torchft's own variable for the lighthouse's address (`http://host:port`).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -128,6 +132,11 @@ class ReplicaOptions:
     def active(self) -> bool:
         return bool(self.lighthouse or self.start_lighthouse or self.replica_id)
 
+    def reach_host(self) -> str | None:
+        """The lighthouse's host when it is reached over a network (not loopback): gloo and the
+        addresses a group advertises must then use the interface that routes to it."""
+        return reach_host(self.lighthouse)
+
     def env(self, served_at: str | None = None) -> dict[str, str]:
         """What the workers get: the lighthouse's address and the group's name."""
         env = {}
@@ -136,6 +145,30 @@ class ReplicaOptions:
         if self.replica_id:
             env[REPLICA_ENV] = self.replica_id
         return env
+
+
+def reach_host(lighthouse: str | None) -> str | None:
+    """The host of a lighthouse address `http://host:port` unless it is this machine's loopback.
+
+    >>> reach_host("http://10.0.0.1:29510"), reach_host("http://127.0.0.1:29510")
+    ('10.0.0.1', None)
+    """
+    host = urlparse(lighthouse).hostname if lighthouse else None
+    if not host:
+        return None
+    try:
+        addr = resolve(host)[1]
+    except LaunchError:
+        return None
+    return None if ipaddress.ip_address(addr).is_loopback else host
+
+
+def advertised_host(lighthouse: str | None) -> str:
+    """The name or address this process gives the other replicas to reach it: its address on the
+    route to the lighthouse when that is over a network, else the host name (one machine)."""
+    there = reach_host(lighthouse)
+    found = interface_for(there) if there else None
+    return found[1] if found else socket.gethostname()
 
 
 def add_replica_options(parser: argparse.ArgumentParser) -> None:

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(env_report())
         return 0
     if command == "lighthouse":
-        from unison.distributed.fault_tolerant import lighthouse_main
+        from unison.launch.lighthouse import lighthouse_main
 
         return lighthouse_main(rest)
     print(

@@ -3,7 +3,9 @@ SIGKILL; the result is checked against a plain one-process run of the same scrip
 
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,8 @@ from unison.data.batch import DataLoaders
 
 torchft = pytest.importorskip("torchft")
 
+from tests.launch.test_launch import free_port  # noqa: E402
+from tests.launch.test_multinode import machines  # noqa: E402, F401  (fixture: two network namespaces)
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
@@ -40,12 +44,59 @@ def test_without_a_lighthouse_it_is_refused_naming_the_fix(monkeypatch):
     assert learn.cbs == []  # nothing left attached
 
 
-def test_a_replica_of_several_processes_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:1")
-    with pytest.raises(ValueError, match="replica groups of one process each"):
-        with tiny_learner().distrib_ctx(fault_tolerant=True):
-            pass
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--lighthouse", "http://h:1", "--start-lighthouse"], "--lighthouse and --start-lighthouse exclude"),
+        (["--lighthouse", "h:29510"], "--lighthouse h:29510: expected http://host:port"),
+        (["--lighthouse", "http://h:70000"], "--lighthouse http://h:70000: the port must be in 1..65535"),
+        (["--min-replicas", "2"], "--min-replicas needs --start-lighthouse"),
+        (["--start-lighthouse", "--min-replicas", "0"], "--min-replicas must be at least 1, got 0"),
+        (["--replica-id", "a b"], "--replica-id 'a b': use letters, digits"),
+    ],
+)
+def test_unison_launch_refuses_bad_replica_options_in_one_line_before_anything_starts(
+    argv, said, capsys, tmp_path
+):
+    from unison.launch.launcher import main
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    assert main(["--nproc", "2", *argv, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"unison launch: error: {said}") and err.count("\n") == 1, err
+    assert not marker.exists()
+
+
+def test_unison_launch_refuses_to_start_a_lighthouse_on_a_port_in_use_in_one_line(capsys, tmp_path):
+    from unison.launch.launcher import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--start-lighthouse", "--lighthouse-port", str(port), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"unison launch: error: --start-lighthouse: port {port} is already in use on this machine (another "
+        "lighthouse?): join it with --lighthouse http://host:port, or choose --lighthouse-port\n"
+    )
+
+
+def test_unison_launch_exports_the_lighthouse_and_the_replica_id_to_its_workers(tmp_path):
+    from unison.launch.launcher import parse_options, plan_launch
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    opts = parse_options(["--lighthouse", "http://h:29510", "--replica-id", "b", str(script)])
+    plan = plan_launch(opts, str(tmp_path))
+    assert plan.env[LIGHTHOUSE_ENV] == "http://h:29510" and plan.env["UNISON_REPLICA_ID"] == "b"
+    assert plan.logs.replica == "b"  # the restart line names the replica
+    plain = plan_launch(parse_options([str(script)]), str(tmp_path))
+    assert LIGHTHOUSE_ENV not in plain.env and plain.logs.replica is None
 
 
 def test_batchnorm_and_sharding_are_refused_in_one_line_since_they_cannot_be_exact(monkeypatch):
@@ -107,17 +158,31 @@ def finish(proc, timeout):
 
 
 def stop_all(procs, lighthouse):
-    """No replica or lighthouse outlives its test, passed or failed."""
+    """No replica or lighthouse outlives its test, passed or failed (a launch's workers die with it)."""
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait(timeout=10)
-    lighthouse.shutdown()
+    if lighthouse is not None:
+        lighthouse.shutdown()
+
+
+def served_address(launch, timeout):
+    """The address `unison launch --start-lighthouse` printed in its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launch.poll() is None:
+        found = re.search(r"lighthouse serving at (http://\S+)", Path(launch.log).read_text())
+        if found:
+            return found.group(1)
+        time.sleep(0.1)
+    raise AssertionError(f"no lighthouse address in {launch.log}:\n{Path(launch.log).read_text()[-2000:]}")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("data", [[], ["--sampler"]], ids=["shuffled-loader", "uneven-batch-sampler"])
+@pytest.mark.parametrize(
+    "data", [[], ["--sampler"], ["--stream"]], ids=["shuffled-loader", "uneven-batch-sampler", "stream"]
+)
 def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(
     tmp_path, data
 ):
@@ -146,7 +211,7 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
         logs = [finish(p, timeout=150) for p in procs[:2] + procs[3:]]
         for text in logs[:2]:  # each survivor's log says what happened
             assert "failed with 3 replicas; redone with 2 over the same items" in text, f"die_at={die_at}"
-        assert "healed from a live peer: joins at epoch" in logs[2]
+        assert re.search(r"healed from a live peer \(replica r[01]\): joins at epoch", logs[2])
         for p, text in zip(procs[:2] + procs[3:], logs, strict=True):
             assert p.returncode == 0, f"die_at={die_at}\n{text[-3000:]}"
     finally:
@@ -170,6 +235,147 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     assert joined > die_at, f"die_at={die_at}: healed at {healed}"
     assert runs["r2"]["steps"] == total - joined  # joined and trained to the end
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
+
+
+def group_launch(out, name, *args, lighthouse, where=None):
+    """One replica group: `unison launch --nproc 2 --lighthouse ADDRESS --replica-id NAME --max-restarts 1`;
+    `lighthouse=None`: `--start-lighthouse` instead (on a free port, serving for the launch's life)."""
+    join = ["--lighthouse", lighthouse] if lighthouse else ["--start-lighthouse", "--lighthouse-port", "0"]
+    launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", *join]
+    launch += ["--replica-id", name, "--max-restarts", "1"]
+    cmd = [*launch, str(SCRIPT), "--out", str(out), *args]
+    with open(f"{out}.log", "w") as log:  # `where`: a command prefix (another network namespace)
+        proc = subprocess.Popen(where(cmd) if where else cmd, stdout=log, stderr=log)
+    proc.log = f"{out}.log"
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_group_which_heals(tmp_path):
+    die_at = random.randint(3, 12)  # a random global step (of 64); printed on failure
+    common = ["--epochs", "4", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    procs = []
+    try:  # group a's launcher serves the lighthouse (--start-lighthouse); group b joins it
+        procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=None))
+        address = served_address(procs[0], timeout=60)
+        # Rank 1 of group b dies (first attempt only); its restart comes back 5 s late, after a's redo.
+        doomed = ["--die-at", str(die_at), "--die-rank", "1", "--restart-delay", "5"]
+        procs.append(group_launch(tmp_path / "b.pt", "b", *common, *doomed, lighthouse=address))
+        logs = [finish(p, timeout=200) for p in procs]
+    finally:
+        stop_all(procs, None)
+    for p, text in zip(procs, logs, strict=True):
+        assert p.returncode == 0, f"die_at={die_at}\n{text[-4000:]}"
+    a_log, b_log = logs
+    assert "restarting replica a" not in a_log, f"die_at={die_at}: group a restarted\n{a_log[-3000:]}"
+    # The survivors name the replica they lost and redo the step alone (rank r of 2 takes rows r::2),
+    # then say when it came back.
+    line = f"epoch 0 step {die_at} failed with 2 replicas; redone with 1 over the same items; "
+    assert f"{line}replica(s) b left the quorum\n" in a_log, f"die_at={die_at}\n{a_log[-3000:]}"
+    assert "replica(s) b joined the quorum (2 replicas now)" in a_log
+    # The launcher names the replica, the worker and how it ended; only this group restarts.
+    restart = re.search(
+        r"unison launch: replica b: worker rank (\d) exited with ([^;]+); restarting replica b "
+        r"\(1/1\); the other replicas keep training",
+        b_log,
+    )
+    assert restart, f"die_at={die_at}\n{b_log[-3000:]}"
+    assert "healed from a live peer (replica a): joins at epoch" in b_log
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {f"{g}{r}": torch.load(tmp_path / f"{g}.pt.rank{r}") for g in "ab" for r in (0, 1)}
+    for name, run in runs.items():  # float noise of another summation order only
+        for key, value in want.items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+        for key in want:  # the same all-reduces: every rank of every group agrees to the bit
+            assert torch.equal(run["weights"][key], runs["a0"]["weights"][key]), f"{name} {key}"
+    total = 4 * runs["a0"]["steps_per_epoch"]
+    for name in ("a0", "a1"):  # never restarted: trained every step, redid the one in flight
+        assert runs[name]["steps"] == total, f"die_at={die_at}: {name} {runs[name]['steps']}"
+        assert runs[name]["events"]["redone"] >= 1
+        assert 1 in runs[name]["events"]["participants"][die_at:]  # went on alone
+        assert runs[name]["events"]["participants"][:die_at] == [2] * die_at  # both groups from step 0
+    healed = runs["b0"]["events"]["healed_at"]
+    assert healed is not None and healed == runs["b1"]["events"]["healed_at"], f"die_at={die_at}"
+    joined = healed[0] * runs["a0"]["steps_per_epoch"] + healed[1]
+    assert joined > die_at and runs["b0"]["steps"] == runs["b1"]["steps"] == total - joined
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_killed_process(
+    machines,  # noqa: F811
+    tmp_path,
+):
+    die_at = random.randint(3, 10)  # a random global step (of 48); printed on failure
+    common = ["--epochs", "3", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "3"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
+    serve = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
+    lighthouse = subprocess.Popen(
+        machines.cmd(0, serve), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    procs = [lighthouse]
+    try:
+        assert lighthouse.stdout.readline().startswith(f"{LIGHTHOUSE_ENV}=http://")
+        address = f"http://{machines.addrs[0]}:{port}"  # the host name maps to 127.0.0.1 in both
+        a_cmd, b_cmd = (lambda cmd, i=i: machines.cmd(i, cmd) for i in (0, 1))
+        procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=address, where=a_cmd))
+        doomed = ["--die-at", str(die_at), "--die-rank", "1"]
+        procs.append(group_launch(tmp_path / "b.pt", "b", *common, *doomed, lighthouse=address, where=b_cmd))
+        logs = [finish(p, timeout=200) for p in procs[1:]]
+    finally:
+        stop_all(procs, None)
+    for p, text in zip(procs[1:], logs, strict=True):
+        assert p.returncode == 0, f"die_at={die_at}\n{text[-4000:]}"
+    a_log, b_log = logs
+    assert "gloo via unvA" in a_log and "gloo via unvB" in b_log  # the interfaces between the two hosts
+    assert f"epoch 0 step {die_at} failed with 2 replicas; redone with" in a_log
+    assert "restarting replica b (1/1); the other replicas keep training" in b_log
+    assert "healed from a live peer (replica a)" in b_log
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {f"{g}{r}": torch.load(tmp_path / f"{g}.pt.rank{r}") for g in "ab" for r in (0, 1)}
+    for name, run in runs.items():
+        for key, value in want.items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+            assert torch.equal(run["weights"][key], runs["a0"]["weights"][key]), f"{name} {key}"
+    assert runs["a0"]["steps"] == 3 * runs["a0"]["steps_per_epoch"]  # group a never restarted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_stalled_replica_does_not_hang_the_other_which_names_it_and_ends_on_the_uninterrupted_weights(
+    tmp_path,
+):
+    stall_at = random.randint(3, 10)  # b is SIGSTOPped mid-step there (of 32); printed on failure
+    common = ["--epochs", "2", "--timeout", "3", "--start-replicas", "2"]
+    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "2"]
+    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        procs.append(replica(tmp_path / "a.pt", "--replica", "a", *common, env=env))
+        procs.append(
+            replica(tmp_path / "b.pt", "--replica", "b", "--stall-at", str(stall_at), *common, env=env)
+        )
+        log = finish(procs[0], timeout=100)
+        assert procs[1].poll() is None  # b is still there, stopped: a went on without it
+    finally:
+        stop_all(procs, lighthouse)
+    assert procs[0].returncode == 0, f"stall_at={stall_at}\n{log[-3000:]}"
+    line = "failed with 2 replicas; redone with 1 over the same items; replica(s) b left the quorum"
+    assert line in log, f"stall_at={stall_at}\n{log[-3000:]}"
+    run = torch.load(tmp_path / "a.pt")
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    for key, value in want.items():
+        torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=key)
+    assert run["steps"] == 32 and run["events"]["participants"][-1] == 1
+    gaps = [b - a for a, b in zip(run["times"], run["times"][1:], strict=False)]
+    assert max(gaps) < 15, f"stall_at={stall_at}: a stalled {max(gaps):.1f} s (timeout 3 s, join 2 s)"
 
 
 def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):

@@ -2,6 +2,8 @@
 
 TORCHFT_LIGHTHOUSE=http://host:port python ft_replica.py --out r0.pt --replica r0
 python ft_replica.py --out plain.pt --plain        # the uninterrupted one-process reference
+unison launch --nproc 2 --lighthouse http://host:port --replica-id a --max-restarts 1 ft_replica.py --out a.pt
+                                                   # a replica group of 2: rank R writes a.pt.rankR
 
 Writes the final weights and what the replica saw (steps redone, where it healed) to --out, and
 each committed step's number to --out + ".step" (so a test can kill it at a chosen step).
@@ -14,7 +16,7 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 
@@ -35,7 +37,19 @@ parser.add_argument("--min-replicas", type=int, default=1)
 parser.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
 parser.add_argument("--timeout", type=float, default=20.0)
 parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself mid-step at this step")
+parser.add_argument("--die-rank", type=int, default=0, help="which rank of a replica group --die-at kills")
+parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
+parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
+parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
+parser.add_argument("--start-replicas", type=int, default=1, help="replicas the first step waits for")
 args = parser.parse_args()
+rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+out = f"{args.out}.rank{rank}" if world > 1 and not args.ddp else args.out  # each rank of a replica group
+# Under `unison launch --max-restarts`: only the first attempt dies (the restarted group heals and goes on).
+restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+dies = rank == args.die_rank and not restarted
+if restarted:
+    time.sleep(args.restart_delay)  # a machine slower to come back than the others' redo
 
 
 class Pace(Callback):
@@ -54,14 +68,17 @@ class Pace(Callback):
             return
         if args.step_time:
             time.sleep(args.step_time)
-        if self.learn.epoch * self.learn.n_iter + self.learn.iter == args.die_at:
+        step = self.learn.epoch * self.learn.n_iter + self.learn.iter
+        if dies and step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)  # before its gradient reaches the all-reduce
+        if dies and step == args.stall_at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive but stuck, until someone continues or kills it
 
     def after_step(self):
         self.steps += 1
         self.times.append(time.time())  # wall clock: compared across processes
         self.n_iter = self.learn.n_iter  # training steps per epoch
-        with open(args.out + ".step", "w") as fh:
+        with open(out + ".step", "w") as fh:
             fh.write(f"{self.learn.epoch * self.learn.n_iter + self.learn.iter}\n")
 
 
@@ -88,14 +105,38 @@ class UnevenBatches:
         return len(self._sizes())
 
 
+class Stream(IterableDataset):
+    """The train items as a stream (with a length), reshuffled each epoch by `set_epoch`."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.epoch = x, y, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.epoch))
+        for i in order.tolist():
+            yield self.x[i], self.y[i]
+
+    def __len__(self):
+        return len(self.x)
+
+
+def train_loader(x, y):
+    if args.sampler:
+        return DataLoader(TensorDataset(x, y), batch_sampler=UnevenBatches(len(x)))
+    if args.stream:
+        return DataLoader(Stream(x, y), batch_size=args.batch_size)
+    return DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+
+
 set_seed(0)
 g = torch.Generator().manual_seed(1)
 x = torch.randn(240, 8, generator=g)
 y = (x[:, 0] + x[:, 1] > 0).long()
 dls = DataLoaders(
-    DataLoader(TensorDataset(x[:192], y[:192]), batch_sampler=UnevenBatches(192))
-    if args.sampler
-    else DataLoader(TensorDataset(x[:192], y[:192]), batch_size=args.batch_size, shuffle=True),
+    train_loader(x[:192], y[:192]),
     DataLoader(TensorDataset(x[192:], y[192:]), batch_size=16),
 )
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
@@ -125,6 +166,7 @@ elif args.ddp:
         raise SystemExit(0)
 else:
     ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
+    ft["start_replicas"] = args.start_replicas
     with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
         trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
         learn.fit(args.epochs, resume=args.resume)
@@ -140,6 +182,6 @@ torch.save(
         "imported": imported,
         "steps_per_epoch": pace.n_iter,
     },
-    args.out + ".tmp",
+    out + ".tmp",
 )
-os.replace(args.out + ".tmp", args.out)
+os.replace(out + ".tmp", out)

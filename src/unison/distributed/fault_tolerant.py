@@ -1,24 +1,24 @@
 """Per-step fault tolerance on torchft: `distrib_ctx(fault_tolerant=True)`.
 
-Each replica is one process (a replica group of one) that trains the *global* plan: global step
-`k` is the same fixed set of items on every replica (the loader's batch `k`, as on one process).
-At each step torchft's `Manager` asks the lighthouse which replicas take part (the quorum); the
-`P` participants split step `k`'s rows (participant `p` takes rows `p, p+P, ...`), each
-backpropagates the sum of its rows' losses divided by the step's global row count, and one
-all-reduce (a sum over torchft's reconfigurable gloo group) gives every participant the gradient
-of the whole global batch, whatever `P` is. So a replica lost mid-step costs that step's redo, not
-its items: the survivors see the all-reduce fail (`should_commit` is False), ask for a new quorum
-and redo step `k` over the same items. A replacement started later joins a quorum, receives from
-a live peer its weights, optimizer state and data position (epoch, step, data seed) through
-torchft's state-dict transport (no disk read), and trains from that step on. The run ends on the
-weights of an uninterrupted one-process run with the loader's batch, up to float noise (another
-summation order).
+A replica group is one `unison launch --nproc G` job (G = 1: plain python too) that trains the
+*global* plan: global step `k` is the same fixed set of items in every group (the loader's batch
+`k`, as on one process). At each step torchft's `Manager` (one per rank, group rank 0 serving the
+group's) asks the lighthouse which groups take part; with `P` participants, rank `r` of participant
+`p` takes rows `p*G + r :: P*G` of step `k`, backpropagates their summed loss over the step's global
+row count, and the gradient is summed inside the group (its own gloo group), then across the
+participants (torchft's reconfigurable gloo group, per group rank): every rank ends with the
+gradient of the whole global batch, whatever `P` is. A group lost mid-step (any of its processes:
+its peers' collectives fail, and it stops) costs that step's redo, not its items: the others'
+commit vote fails, they take a new quorum and redo step `k` over the same items, saying which
+replica left. A restarted or new group heals each rank from the same rank of a live group (weights,
+optimizer state, data position; no disk read) and trains on. The run ends on the weights of an
+uninterrupted one-process run, up to float noise (another summation order).
 
-Costs (measured in benchmarks/RESULTS.md): every replica loads the whole global batch and keeps
-1/P of it; every step pays a quorum round-trip to the lighthouse and a commit vote.
+Costs (benchmarks/RESULTS.md): each group loads the whole global batch and keeps 1/P of it; each
+step pays a quorum round-trip to the lighthouse and a commit vote.
 
-Not built (refused in one line): replica groups of more than one process, gradient accumulation,
-losses counted by anything but rows (a `SummedLoss`/token loss).
+Refused in one line: BatchNorm, `shard=True`, gradient accumulation, losses counted by anything
+but rows (a `SummedLoss`/token loss).
 
 >>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
 ...     learn.fit(3)
@@ -26,89 +26,73 @@ losses counted by anything but rows (a `SummedLoss`/token loss).
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import socket
 import sys
-from collections.abc import Sequence
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.callbacks.core import Callback
 from unison.data.batch import batch_size_of, map_tensors
+from unison.launch.lighthouse import LIGHTHOUSE_ENV, REPLICA_ENV, lighthouse_main, start_lighthouse
 
-#: torchft's own variable for the lighthouse's address (`http://host:port`).
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-#: This replica's name: a replacement takes the name of the replica it replaces.
-REPLICA_ENV = "UNISON_REPLICA_ID"
+__all__ = [
+    "LIGHTHOUSE_ENV",
+    "REPLICA_ENV",
+    "FaultTolerantTrainer",
+    "QuorumWitness",
+    "ReplicaBehindError",
+    "ReplicaGroupLostError",
+    "lighthouse_main",
+    "start_lighthouse",
+]
 
 
 class ReplicaBehindError(RuntimeError):
     """This replica was healed to another step than the one it is at: it must restart to rejoin."""
 
 
-def start_lighthouse(
-    min_replicas: int = 1,
-    port: int = 0,
-    join_timeout_ms: int = 2000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5000,
-) -> Any:
-    """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
-    its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.
+class ReplicaGroupLostError(RuntimeError):
+    """A process of this replica group stopped: the group ends, and its launcher restarts it."""
 
-    >>> lighthouse = start_lighthouse(min_replicas=2)                     # doctest: +SKIP
-    >>> os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()           # doctest: +SKIP
+
+class QuorumWitness:
+    """torchft's `ManagerClient`, passed through, keeping what each quorum said that the `Manager`
+    keeps to itself: which replicas take part, and which one a healing replica copies.
+
+    >>> manager._client = QuorumWitness(manager._client)   # doctest: +SKIP
     """
-    from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind=f"[::]:{port}",
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_ids: list[str] = []  # the latest quorum's replicas, by name
+        self.starts: list[str] = []  # ... and by start ("<name>:<uuid>": a restart is another one)
+        self.healed_from: str | None = None  # the replica the latest heal copied
 
-
-def lighthouse_main(argv: Sequence[str]) -> int:
-    """`unison lighthouse`: start torchft's lighthouse, print `TORCHFT_LIGHTHOUSE=<address>` for the
-    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status.
-
-    >>> lighthouse_main(["--min-replicas", "2", "--port", "29510"])   # doctest: +SKIP
-    """
-    parser = argparse.ArgumentParser(prog="unison lighthouse", description=lighthouse_main.__doc__)
-    parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
-    parser.add_argument("--port", type=int, default=29510, help="0: any free port (default 29510)")
-    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="wait for late replicas")
-    parser.add_argument("--quorum-tick-ms", type=int, default=100)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
-    args = parser.parse_args(list(argv))
-    if args.min_replicas < 1:
-        print(
-            f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        # torchft names a replica "<replica id>:<uuid of this start>"; the name is the user's.
+        self.starts = [str(r) for r in quorum.replica_ids]
+        names = [_name(r) for r in self.starts]
+        self.replica_ids = names
+        source = quorum.recover_src_replica_rank
+        self.healed_from = (
+            names[source] if quorum.heal and source is not None and source < len(names) else None
         )
-        return 2
-    if not 0 <= args.port < 65536:
-        print(f"unison lighthouse: --port must be 0-65535, got {args.port}", file=sys.stderr)
-        return 2
-    try:
-        server = start_lighthouse(
-            args.min_replicas, args.port, args.join_timeout_ms, args.quorum_tick_ms, args.heartbeat_timeout_ms
-        )
-    except Exception as exc:  # (a port in use, torchft missing): one line, no traceback
-        print(f"unison lighthouse: could not start on port {args.port}: {exc}", file=sys.stderr)
-        return 1
-    print(f"{LIGHTHOUSE_ENV}={server.address()}", flush=True)
-    stop = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    signal.sigwait(stop)
-    server.shutdown()
-    return 0
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _name(start: str) -> str:
+    """The replica's name in torchft's id of one of its starts (`<name>:<uuid>`)."""
+    return start.split(":")[0]
 
 
 def _rows(x: Any, part: int, parts: int) -> Any:
@@ -121,7 +105,8 @@ class FaultTolerantTrainer(Callback):
 
     `lighthouse`: the lighthouse's address (default `TORCHFT_LIGHTHOUSE`); `replica_id`: this
     replica's name (default `UNISON_REPLICA_ID`, else the host and process id); `min_replicas`:
-    fewer participants than this and no step commits; `timeout`: seconds any all-reduce, commit
+    fewer participants than this and no step commits; `start_replicas`: the first step waits
+    (up to `quorum_timeout`) until this many replicas take part; `timeout`: seconds any all-reduce, commit
     vote or state transfer may take before the step is given up and redone.
 
     >>> with learn.distrib_ctx(fault_tolerant={"min_replicas": 2}):       # doctest: +SKIP
@@ -139,12 +124,18 @@ class FaultTolerantTrainer(Callback):
         min_replicas: int = 1,
         timeout: float = 30.0,
         quorum_timeout: float = 60.0,
+        start_replicas: int = 1,
     ) -> None:
         self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         self.replica_id = replica_id or os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
+        self.start_replicas = start_replicas
         self.manager: Any = None
         self._store: Any = None
+        self._witness = QuorumWitness(None)
+        self.created_group = False
+        self._members: list[str] = []  # the replicas of the last quorum this replica saw
+        self.group_rank, self.group_size = 0, 1  # this process's place in its replica group
         self._quorum_ready = False  # a quorum was made for the step about to run (before_fit's)
         self._position = (0, 0)  # (epoch, step) this replica is at: what a healing peer receives
         self._healed_to: tuple[int, int] | None = None
@@ -154,13 +145,6 @@ class FaultTolerantTrainer(Callback):
 
     # ---- entering and leaving --------------------------------------------------------
     def setup(self) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            raise ValueError(
-                f"distrib_ctx(fault_tolerant=True) runs replica groups of one process each, but this "
-                f"launch has {world} processes: start each replica as its own one-process job "
-                "(unison launch --nproc 1, or plain python), all pointing at one lighthouse"
-            )
         norms = [name for name, m in self.learn.raw_model.named_modules() if isinstance(m, _BatchNorm)]
         if norms:
             raise ValueError(
@@ -171,14 +155,47 @@ class FaultTolerantTrainer(Callback):
         if not self.lighthouse:
             raise ValueError(
                 "distrib_ctx(fault_tolerant=True) needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE="
-                "http://host:port (start one with `unison lighthouse --min-replicas 2`)"
+                "http://host:port (start one with `unison lighthouse --min-replicas 2`, or "
+                "`unison launch --start-lighthouse`)"
             )
+        try:
+            self._join()
+        except BaseException:
+            self.restore()  # a refused setup leaves no group, store or manager behind
+            raise
+
+    def _join(self) -> None:
+        """The replica group's own gloo group (under `unison launch --nproc G`), one store that group
+        rank 0 hosts, and a torchft `Manager` on every rank (group rank, G), all under one replica id."""
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
-        host = socket.gethostname()
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        from unison.distributed.env import group_active
+        from unison.distributed.group import setup_distrib
+
+        learn = self.learn
+        self.created_group = setup_distrib(timeout=self.timeout, backend="gloo")
+        if group_active():
+            self.group_rank, self.group_size = dist.get_rank(), dist.get_world_size()
+        from torchft.checkpointing import HTTPTransport
+
+        from unison.launch.lighthouse import advertised_host
+
+        host = advertised_host(self.lighthouse)  # the host name on one machine
+        if self.group_rank == 0:
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # Group rank 0's store, name and data seed for every rank of the group (one replica id, one order).
+        shared: list[Any] = [host, self._store.port if self._store else 0, self.replica_id, learn.data_seed]
+        if self.group_size > 1:
+            dist.broadcast_object_list(shared, src=0)
+        host, port, self.replica_id, seed = shared
+        if seed != learn.data_seed:
+            learn.data_seed = seed
         limit = timedelta(seconds=self.timeout)
+        transport: Any = HTTPTransport(timeout=limit, num_chunks=0)
+        if host != socket.gethostname():  # torchft 0.2.0 names its checkpoint server by host name only
+            served = transport._server.socket.getsockname()[1]
+            transport.address = lambda: f"http://{host}:{served}/checkpoint/"
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=limit),
             load_state_dict=self._load_state,
@@ -188,19 +205,28 @@ class FaultTolerantTrainer(Callback):
             timeout=limit,
             quorum_timeout=timedelta(seconds=self.quorum_timeout),
             connect_timeout=limit,
-            rank=0,
-            world_size=1,
+            rank=self.group_rank,
+            world_size=self.group_size,
             store_addr=host,
-            store_port=self._store.port,
+            store_port=port,
             lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id,
+            hostname=host,
+            checkpoint_transport=transport,
         )
+        self._witness = QuorumWitness(self.manager._client)
+        self.manager._client = self._witness  # (torchft keeps each quorum's members to itself)
 
     def restore(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
         self._store = None
+        if self.created_group:
+            from unison.distributed.group import teardown_distrib
+
+            teardown_distrib()
+            self.created_group = False
 
     # ---- what a healing peer receives -----------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -237,18 +263,36 @@ class FaultTolerantTrainer(Callback):
         # The first quorum: a replacement heals here and starts at its peers' step.
         self._position = (learn.start_epoch, learn.start_iter)
         self._quorum()
+        self._wait_for_start_replicas()
         if self._healed_to is not None:
             epoch, step = self._healed_to
-            self._say(f"healed from a live peer: joins at epoch {epoch} step {step}")
+            source = f" (replica {self._witness.healed_from})" if self._witness.healed_from else ""
+            self._say(f"healed from a live peer{source}: joins at epoch {epoch} step {step}")
             learn.start_epoch, learn.start_iter = self._healed_to
             self.events["healed_at"] = self._healed_to
             self._position = self._healed_to
             self._healed_to = None
         self._quorum_ready = True
+        self._members = self._witness.starts
+
+    def _wait_for_start_replicas(self) -> None:
+        """The first step waits until `start_replicas` replicas take part (replicas started together
+        then all begin at step 0, instead of the first one training alone and the others healing)."""
+        deadline = time.monotonic() + self.quorum_timeout
+        while self.manager.num_participants() < self.start_replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"replica {self.replica_id}: {self.manager.num_participants()} of the "
+                    f"{self.start_replicas} replicas to start with took part within "
+                    f"{self.quorum_timeout:.0f} s (lighthouse {self.lighthouse}): are they all started?"
+                )
+            time.sleep(0.2)
+            self._quorum()
 
     def _say(self, message: str) -> None:
-        """One line in this replica's log (torchft's own logs name the lighthouse's view)."""
-        print(f"unison: replica {self.replica_id}: {message}", file=sys.stderr, flush=True)
+        """One line in this replica group's log, from its rank 0 (torchft logs the lighthouse's view)."""
+        if self.group_rank == 0:
+            print(f"unison: replica {self.replica_id}: {message}", file=sys.stderr, flush=True)
 
     def _quorum(self) -> None:
         """This step's quorum (and a heal, if this replica is behind). A failure inside it (a peer
@@ -269,9 +313,28 @@ class FaultTolerantTrainer(Callback):
         if not self._quorum_ready:
             self._quorum()
             self._check_not_moved()
+            self._say_membership()
         self._quorum_ready = False
         self._full = (learn.xb, learn.yb)
         self._take_share()
+
+    def _say_membership(self, redo: bool = False) -> str:
+        """Say which replicas joined the quorum since the last one (and which left, between steps);
+        return which left ("" if none), for a redo's line."""
+        was, now = self._members, self._witness.starts
+        self._members = now
+        left = [_name(r) for r in was if r not in now]
+        joined = [_name(r) for r in now if r not in was]
+        back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
+        left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
+        if joined and was:
+            self._say(f"replica(s) {', '.join(joined)} joined the quorum ({len(now)} replicas now)")
+        said = [f"replica(s) {', '.join(left)} left the quorum"] if left else []
+        said += [f"replica(s) {', '.join(back)} left the quorum and rejoined (restarted)"] if back else []
+        lost = "; ".join(said)
+        if lost and not redo:
+            self._say(f"{lost} between steps ({len(now)} replicas now)")
+        return lost
 
     def _check_not_moved(self) -> None:
         """A heal mid-fit must land on this very step (torchft heals a replica that fell behind)."""
@@ -291,7 +354,9 @@ class FaultTolerantTrainer(Callback):
         xb, yb = self._full
         if part is None or parts < 1:  # a spare (not used here): torchft zeroes what it all-reduces
             part, parts = 0, 1
-        learn.xb, learn.yb = _rows(xb, part, parts), _rows(yb, part, parts)
+        # Rank r of participant p takes rows p*G + r :: P*G: the P groups' G ranks deal the step out.
+        first, stride = part * self.group_size + self.group_rank, parts * self.group_size
+        learn.xb, learn.yb = _rows(xb, first, stride), _rows(yb, first, stride)
         learn._empty_share = batch_size_of(learn.xb) == 0
 
     def after_loss(self) -> None:
@@ -308,12 +373,15 @@ class FaultTolerantTrainer(Callback):
             self._redo()
 
     def _reduce_and_commit(self) -> bool:
-        """Sum every participant's gradient (one flat all-reduce); True when the step may be taken."""
+        """Sum the gradient over the replica group (its own gloo group), then over the participants
+        (torchft's all-reduce, per group rank); True when the step may be taken (voted by the group)."""
         from torch.distributed import ReduceOp
 
         params = [p for p in self.learn.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.group_size > 1:
+            self._group_sum(flat)
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         offset = 0
         for p, g in zip(params, grads, strict=True):
@@ -321,6 +389,17 @@ class FaultTolerantTrainer(Callback):
             p.grad = flat[offset : offset + n].view_as(g).clone()
             offset += n
         return bool(self.manager.should_commit())
+
+    def _group_sum(self, flat: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(flat)
+        except RuntimeError as exc:  # a peer of this group died or stalls: the whole group must go
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ReplicaGroupLostError(
+                f"replica {self.replica_id}: a process of this replica group stopped taking part "
+                f"({first}): the group stops here and its launcher restarts it (--max-restarts); the "
+                "other replicas redo the step without it"
+            ) from exc
 
     def _redo(self) -> None:
         """The step failed somewhere (a lost peer): new quorum, same items, recomputed share."""
@@ -331,11 +410,14 @@ class FaultTolerantTrainer(Callback):
         was = self.events["participants"][-1]
         self._quorum()
         self._check_not_moved()
+        lost = self._say_membership(redo=True) or "the same replicas take part (a collective failed)"
         self._take_share()
         epoch, step = self._position
         now = self.events["participants"][-1]
+        self.events.setdefault("lost", []).append(lost)
         self._say(
-            f"epoch {epoch} step {step} failed with {was} replicas; redone with {now} over the same items"
+            f"epoch {epoch} step {step} failed with {was} replicas; redone with {now} over the same "
+            f"items; {lost}"
         )
         learn.pred = learn.call_model(learn.model, learn.xb)
         total, count, mean = learn.exact_loss.terms(learn)

@@ -10,7 +10,7 @@ The agent, the rendezvous, restarts and error files are torch's
 anything starts, chooses the rendezvous, exports what workers need, and reports a failure
 in one summary. Each worker runs `python -m unison.launch.worker script.py args...`.
 
-Long on purpose (about 520 lines): the typed launch configuration (`LaunchOptions`) and its one
+Long on purpose (about 545 lines): the typed launch configuration (`LaunchOptions`) and its one
 parser must stay beside the plan they produce, so that every option and its check is read in
 one place; network, failure reports, logs and the rendezvous each live in their own module.
 """
@@ -32,6 +32,14 @@ from typing import TYPE_CHECKING
 
 from unison.launch.environ import exported, quiet_torch_logs
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
+from unison.launch.lighthouse import (
+    LIGHTHOUSE_ENV,
+    LighthouseOptionError,
+    ReplicaOptions,
+    add_replica_options,
+    replica_options,
+    served_lighthouse,
+)
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import (
     LaunchError,
@@ -106,6 +114,10 @@ forwarded to the workers; a Learner's ranks stop at one step, write their checkp
 which is the job's status ("resume me"), never restarted into (docs/faults.md, Preemption).
 --max-restarts K: torch's agent restarts every worker up to K times (a script resumes with a
 Checkpoint callback and fit(resume=True)); across machines this needs --rdzv-endpoint.
+Per-step fault tolerance (distrib_ctx(fault_tolerant=True), docs/fault-tolerance.md): each launch
+is one torchft replica group; --lighthouse http://host:port joins a lighthouse, --start-lighthouse
+[--min-replicas N --lighthouse-port P] serves one for the launch's life, --replica-id NAME names
+the group; --max-restarts K then restarts this group alone while the others keep training.
 """
 
 
@@ -150,6 +162,7 @@ class LaunchOptions:
     verbose: bool = False
     backend: str | None = None  # "gloo": CPU training on a GPU machine (exported as UNISON_BACKEND)
     torchrun: TorchrunChoices = field(default_factory=TorchrunChoices)
+    replica: ReplicaOptions = field(default_factory=ReplicaOptions)  # one torchft replica group
 
     @property
     def mode(self) -> str:
@@ -208,6 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     add("script", help="the training script (a module with -m, a program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     add_torchrun_options(p)
+    add_replica_options(p)
     return p
 
 
@@ -241,6 +255,10 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     a = _parser().parse_args(list(argv))
     _scheduler_defaults(a, argv)
     a.nproc = parse_nproc(a.nproc)
+    try:
+        replica = replica_options(a)
+    except LighthouseOptionError as exc:
+        raise LaunchError(str(exc)) from None
     torchrun = torchrun_choices(a)  # may move torchrun's spellings onto unison's own options
     if torchrun.entry == "script" and not os.path.isfile(a.script):
         where = os.path.abspath(a.script)
@@ -298,6 +316,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     return LaunchOptions(
         a.script, tuple(a.script_args), nproc, gpus, min_nodes, max_nodes, node_rank,
         master_addr, master_port, **{name: getattr(a, name) for name in passed}, torchrun=torchrun,
+        replica=replica,
     )  # fmt: skip
 
 
@@ -333,7 +352,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from unison.distributed.group import TIMEOUT_ENV
     from unison.launch.logs import RankLogsSpecs
 
-    env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid())}
+    env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
     env.update(huge_pages_env())
     if opts.timeout is not None:
@@ -345,7 +364,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in opts.gpus)
-    iface = interface_for(opts.master_host)
+    # A torchft lighthouse on another machine: the other replica groups are reached the same way.
+    iface = interface_for(opts.replica.reach_host() or opts.master_host)
     gloo = os.environ.get("GLOO_SOCKET_IFNAME") or (iface[0] if iface else None)
     if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = gloo
@@ -384,7 +404,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if "shutdown_timeout" not in agent and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         agent["shutdown_timeout"] = SHUTDOWN_GRACE_S  # a worker ignoring SIGTERM ends inside the grace
     local_addr = agent.pop("local_addr", local_addr)
-    logs = RankLogsSpecs(log_dir, ranks_filter=opts.torchrun.ranks_filter, redirects=opts.torchrun.redirects)
+    replica = (opts.replica.replica_id or "(unnamed)") if opts.replica.active else None
+    logs = RankLogsSpecs(
+        log_dir, ranks_filter=opts.torchrun.ranks_filter, redirects=opts.torchrun.redirects, replica=replica
+    )
     config = LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -438,8 +461,11 @@ def launch(opts: LaunchOptions) -> int:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with WatchWorkers(), plan.logs.console_guard(), _heartbeats(opts) as beats:
-            with exported({**plan.env, **beats}):
+        with served_lighthouse(opts.replica) as lighthouse, WatchWorkers(), plan.logs.console_guard():
+            if lighthouse:  # --start-lighthouse: serves the other replica groups' launches too
+                print(f"unison launch: lighthouse serving at {lighthouse}", file=sys.stderr, flush=True)
+                plan.env[LIGHTHOUSE_ENV] = lighthouse
+            with _heartbeats(opts) as beats, exported({**plan.env, **beats}):
                 launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:

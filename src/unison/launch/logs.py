@@ -39,7 +39,11 @@ class RankLogsSpecs(LogsSpecs):
     """
 
     def __init__(
-        self, log_dir: str, ranks_filter: Collection[int] | None = None, redirects: str = "0"
+        self,
+        log_dir: str,
+        ranks_filter: Collection[int] | None = None,
+        redirects: str = "0",
+        replica: str | None = None,
     ) -> None:
         super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
         self.ranks_filter = None if ranks_filter is None else frozenset(ranks_filter)
@@ -52,6 +56,7 @@ class RankLogsSpecs(LogsSpecs):
         self.oom_kills: int | None = None  # the OOM killer's count (/proc/vmstat) when it started
         self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
         self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
+        self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -82,6 +87,12 @@ class RankLogsSpecs(LogsSpecs):
                 most = first.get("TORCHELASTIC_MAX_RESTARTS", "?")
                 why = self._last_failure(os.path.join(self.root_log_dir, f"attempt_{attempt - 1}"))
                 line = f"unison launch: restarting the workers (restart {restart} of {most}){why}"
+                if self.replica is not None:  # one replica group of several: only this one restarts
+                    r = self.replica
+                    line = (
+                        f"unison launch: replica {r}: {why.removeprefix(': ') or 'a worker failed'}; "
+                        f"restarting replica {r} ({restart}/{most}); the other replicas keep training"
+                    )
                 print(line, file=sys.stderr)
             else:
                 print(
@@ -124,6 +135,8 @@ class RankLogsSpecs(LogsSpecs):
         rank = self.ranks.get(local_rank, local_rank)
         headline = _headline(os.path.join(attempt_dir, f"rank{rank}.error.json")) if exitcode >= 0 else None
         how = exit_phrase(exitcode, self.oom_kills)
+        if self.replica is not None:
+            return f": worker rank {rank} exited with {how}{': ' + headline if headline else ''}"
         return f": rank {rank} failed ({how}){': ' + headline if headline else ''}"
 
     def stragglers(self, signame: str, grace: float | None) -> str:

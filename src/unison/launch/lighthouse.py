@@ -1,0 +1,263 @@
+"""torchft's lighthouse for `distrib_ctx(fault_tolerant=True)` replicas, and the `unison launch`
+options that start or join one.
+
+- `start_lighthouse`: torchft's `LighthouseServer` in this process.
+- `lighthouse_main`: the `unison lighthouse` command.
+- `ReplicaOptions` / `add_replica_options` / `replica_options`: `unison launch --lighthouse ADDRESS`,
+  `--start-lighthouse [--min-replicas N]` and `--replica-id NAME`, checked before anything starts;
+  `served_lighthouse` runs the launch's own lighthouse in a process of its own while the launch runs.
+
+One `unison launch` is one replica group: with `--max-restarts N` its elastic agent restarts this
+group alone when one of its processes dies, while the other replica groups (other launches) keep
+training.
+
+>>> replica_options(_args(lighthouse="http://host:29510", replica_id="a")).env()
+{'TORCHFT_LIGHTHOUSE': 'http://host:29510', 'UNISON_REPLICA_ID': 'a'}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from unison.launch.network import interface_for, port_in_use, resolve
+from unison.launch.options import LaunchError
+
+#: torchft's own variable for the lighthouse's address (`http://host:port`).
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: The replica group's name: a restarted group keeps it (its launcher's `--replica-id`).
+REPLICA_ENV = "UNISON_REPLICA_ID"
+
+#: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
+DEFAULT_PORT = 29510
+_PARENT_ENV = "UNISON_LIGHTHOUSE_PARENT"  # the launcher a served lighthouse ends with
+_ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+class LighthouseOptionError(ValueError):
+    """A `--lighthouse` / `--start-lighthouse` / `--replica-id` choice that cannot work."""
+
+
+def start_lighthouse(
+    min_replicas: int = 1,
+    port: int = 0,
+    join_timeout_ms: int = 2000,
+    quorum_tick_ms: int = 100,
+    heartbeat_timeout_ms: int = 5000,
+) -> Any:
+    """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
+    its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.
+
+    >>> lighthouse = start_lighthouse(min_replicas=2)                     # doctest: +SKIP
+    >>> os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()           # doctest: +SKIP
+    """
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=f"[::]:{port}",
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+
+
+def lighthouse_main(argv: Sequence[str]) -> int:
+    """`unison lighthouse`: start torchft's lighthouse, print `TORCHFT_LIGHTHOUSE=<address>` for the
+    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status.
+
+    >>> lighthouse_main(["--min-replicas", "2", "--port", "29510"])   # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(prog="unison lighthouse", description=lighthouse_main.__doc__)
+    parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
+    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="wait for late replicas")
+    parser.add_argument("--quorum-tick-ms", type=int, default=100)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    args = parser.parse_args(list(argv))
+    if args.min_replicas < 1:
+        print(
+            f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
+        )
+        return 2
+    if not 0 <= args.port < 65536:
+        print(f"unison lighthouse: --port must be 0-65535, got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        server = start_lighthouse(
+            args.min_replicas, args.port, args.join_timeout_ms, args.quorum_tick_ms, args.heartbeat_timeout_ms
+        )
+    except Exception as exc:  # (a port in use, torchft missing): one line, no traceback
+        print(f"unison lighthouse: could not start on port {args.port}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{LIGHTHOUSE_ENV}={server.address()}", flush=True)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    parent = int(os.environ.get(_PARENT_ENV, "0"))  # `unison launch --start-lighthouse`'s launcher
+    while signal.sigtimedwait(stop, 0.5) is None:
+        if parent and os.getppid() != parent:  # the launcher is gone (even SIGKILLed): so is this
+            break
+    server.shutdown()
+    return 0
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """`unison launch`'s replica-group options, checked.
+
+    >>> ReplicaOptions(start_lighthouse=True, min_replicas=2, replica_id="a").env()
+    {'UNISON_REPLICA_ID': 'a'}
+    """
+
+    lighthouse: str | None = None
+    start_lighthouse: bool = False
+    min_replicas: int = 1
+    lighthouse_port: int = 29510
+    replica_id: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.lighthouse or self.start_lighthouse or self.replica_id)
+
+    def reach_host(self) -> str | None:
+        """The lighthouse's host when it is reached over a network (not loopback): gloo and the
+        addresses a group advertises must then use the interface that routes to it."""
+        return reach_host(self.lighthouse)
+
+    def env(self, served_at: str | None = None) -> dict[str, str]:
+        """What the workers get: the lighthouse's address and the group's name."""
+        env = {}
+        if self.lighthouse or served_at:
+            env[LIGHTHOUSE_ENV] = str(self.lighthouse or served_at)
+        if self.replica_id:
+            env[REPLICA_ENV] = self.replica_id
+        return env
+
+
+def reach_host(lighthouse: str | None) -> str | None:
+    """The host of a lighthouse address `http://host:port` unless it is this machine's loopback.
+
+    >>> reach_host("http://10.0.0.1:29510"), reach_host("http://127.0.0.1:29510")
+    ('10.0.0.1', None)
+    """
+    host = urlparse(lighthouse).hostname if lighthouse else None
+    if not host:
+        return None
+    try:
+        addr = resolve(host)[1]
+    except LaunchError:
+        return None
+    return None if ipaddress.ip_address(addr).is_loopback else host
+
+
+def advertised_host(lighthouse: str | None) -> str:
+    """The name or address this process gives the other replicas to reach it: its address on the
+    route to the lighthouse when that is over a network, else the host name (one machine)."""
+    there = reach_host(lighthouse)
+    found = interface_for(there) if there else None
+    return found[1] if found else socket.gethostname()
+
+
+def add_replica_options(parser: argparse.ArgumentParser) -> None:
+    """`--lighthouse`, `--start-lighthouse`, `--min-replicas`, `--lighthouse-port`, `--replica-id`."""
+    add = parser.add_argument
+    add(
+        "--lighthouse",
+        metavar="ADDRESS",
+        help="the torchft lighthouse to join (http://host:port), for distrib_ctx(fault_tolerant=True)",
+    )
+    add(
+        "--start-lighthouse",
+        action="store_true",
+        help="start torchft's lighthouse in its own process for the launch's life and print its address",
+    )
+    add("--min-replicas", type=int, default=None, metavar="N", help="started lighthouse: fewest replicas")
+    add("--lighthouse-port", type=int, default=None, metavar="P", help="its port (default 29510; 0: any)")
+    add("--replica-id", metavar="NAME", help="this replica group's name (UNISON_REPLICA_ID); kept on restart")
+
+
+def replica_options(a: argparse.Namespace) -> ReplicaOptions:
+    """Check the replica-group options; raise `LighthouseOptionError` (one line) on bad input."""
+    if a.lighthouse and a.start_lighthouse:
+        raise LighthouseOptionError(
+            "--lighthouse and --start-lighthouse exclude each other: join one lighthouse, or start it"
+        )
+    if a.lighthouse and not _ADDRESS.match(a.lighthouse):
+        raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: expected http://host:port")
+    if a.lighthouse and not 0 < int(_ADDRESS.match(a.lighthouse).group(2)) < 65536:  # type: ignore[union-attr]
+        raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
+    for name in ("min_replicas", "lighthouse_port"):
+        if getattr(a, name) is not None and not a.start_lighthouse:
+            raise LighthouseOptionError(f"--{name.replace('_', '-')} needs --start-lighthouse")
+    if a.min_replicas is not None and a.min_replicas < 1:
+        raise LighthouseOptionError(f"--min-replicas must be at least 1, got {a.min_replicas}")
+    if a.lighthouse_port is not None and not 0 <= a.lighthouse_port < 65536:
+        raise LighthouseOptionError(f"--lighthouse-port must be in 0..65535, got {a.lighthouse_port}")
+    if a.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", a.replica_id):
+        raise LighthouseOptionError(
+            f"--replica-id {a.replica_id!r}: use letters, digits, '.', '_' or '-' (names the group in logs)"
+        )
+    port = DEFAULT_PORT if a.lighthouse_port is None else a.lighthouse_port
+    if a.start_lighthouse and port and port_in_use(port):
+        raise LighthouseOptionError(
+            f"--start-lighthouse: port {port} is already in use on this machine (another lighthouse?): "
+            "join it with --lighthouse http://host:port, or choose --lighthouse-port"
+        )
+    return ReplicaOptions(a.lighthouse, a.start_lighthouse, a.min_replicas or 1, port, a.replica_id)
+
+
+@contextlib.contextmanager
+def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
+    """With `--start-lighthouse`: `unison lighthouse` in a process of its own, serving until the
+    block ends (or its launcher dies); its address. Its log goes to a temporary file, read back
+    only when it fails to start (a port in use: one line).
+
+    >>> with served_lighthouse(ReplicaOptions(start_lighthouse=True, min_replicas=2)) as address:
+    ...     print(address)                                             # doctest: +SKIP
+    http://myhost:29510
+    """
+    if not opts.start_lighthouse:
+        yield None
+        return
+    cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
+    cmd += ["--port", str(opts.lighthouse_port)]
+    env = {**os.environ, _PARENT_ENV: str(os.getpid())}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            line = proc.stdout.readline().strip() if ready else ""  # type: ignore[union-attr]
+            if not line.startswith(f"{LIGHTHOUSE_ENV}="):
+                if ready:  # it said something else and ended: its last line says why
+                    proc.wait(timeout=10)
+                log.seek(0)
+                said = log.read().strip().splitlines() or ["it did not start within 60 s"]
+                raise RuntimeError(said[-1].removeprefix("unison lighthouse: "))
+            yield line.split("=", 1)[1]
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+
+
+def _args(**given: Any) -> argparse.Namespace:
+    """The parsed options with these set (the module's example)."""
+    blank = {"lighthouse": None, "start_lighthouse": False, "min_replicas": None}
+    return argparse.Namespace(**{**blank, "lighthouse_port": None, "replica_id": None, **given})

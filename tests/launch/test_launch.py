@@ -479,3 +479,33 @@ def test_backend_option_reaches_every_worker(tmp_path: Path) -> None:
         "BACKEND gloo gloo 0",
         "BACKEND gloo gloo 1",
     ]
+
+
+def test_the_restart_line_names_the_oom_killed_rank_not_the_survivor_the_agent_named(tmp_path: Path) -> None:
+    """torch's agent names the failure with the earliest timestamp; a survivor that failed on its dead
+    peer wrote its error file (and its time) before the agent saw the OOM-killed rank, which left
+    none, so the agent named the survivor (seen in a loaded suite run: 'rank 0 failed (signal
+    SIGTERM)'). The restart line names the rank the OOM killer ended."""
+    import json
+
+    from unison.launch.failures import oom_kills
+    from unison.launch.logs import RankLogsSpecs
+
+    attempt = tmp_path / "attempt_0"
+    attempt.mkdir()
+    stalled = "RankStalledError: rank 1 stopped taking part: stuck at epoch 0 training batch 3"
+    (attempt / "rank0.error.json").write_text(json.dumps({"message": {"message": stalled}}))
+    specs = RankLogsSpecs(str(tmp_path))
+    specs.ranks = {0: 0, 1: 1}
+    now = oom_kills()
+    if now is None:
+        pytest.skip("no /proc/vmstat oom_kill count here")
+    specs.oom_kills = now - 1  # the OOM killer fired once during the attempt
+    for noted in ((-15, 0), (1, 0)):  # the agent stopped the survivor, or it exited on its own
+        specs.notes.failed = noted
+        assert specs._last_failure(str(attempt)) == (
+            ": rank 1 failed (signal SIGKILL, killed by the kernel's OOM killer (out of memory))"
+        )
+    specs.oom_kills = now  # no OOM kill: the agent's pick stands
+    specs.notes.failed = (-15, 0)
+    assert specs._last_failure(str(attempt)) == ": rank 0 failed (signal SIGTERM)"

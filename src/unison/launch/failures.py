@@ -133,6 +133,16 @@ def is_peer_loss(failure: ProcessFailure) -> bool:
     return any(p in headline or p in stack for p in _PEER_LOSS)
 
 
+def reacted_to_a_peer(headline: str | None) -> bool:
+    """True when an error's headline says another rank went away (a closed connection, or unison's
+    watchdog: "rank 1 stopped taking part").
+
+    >>> reacted_to_a_peer("RankStalledError: rank 1 stopped taking part: ...")
+    True
+    """
+    return headline is not None and any(p in headline for p in (*_PEER_LOSS, "stopped taking part"))
+
+
 def root_cause(err: ChildFailedError) -> tuple[int, ProcessFailure]:
     """The failure that most likely caused the others.
 

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Collection, Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
-from unison.launch.failures import error_headlines, exit_phrase, oom_kills
+from unison.launch.failures import error_headlines, exit_phrase, oom_kills, reacted_to_a_peer
 from unison.launch.rendezvous import private_dir, private_files
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
@@ -133,11 +134,33 @@ class RankLogsSpecs(LogsSpecs):
             return ""
         exitcode, local_rank = failed
         rank = self.ranks.get(local_rank, local_rank)
+        silent = self._silent_culprit(attempt_dir, rank, exitcode)
+        if silent is not None:
+            rank, exitcode = silent, -signal.SIGKILL
         headline = _headline(os.path.join(attempt_dir, f"rank{rank}.error.json")) if exitcode >= 0 else None
         how = exit_phrase(exitcode, self.oom_kills)
         if self.replica is not None:
             return f": worker rank {rank} exited with {how}{': ' + headline if headline else ''}"
         return f": rank {rank} failed ({how}){': ' + headline if headline else ''}"
+
+    def _silent_culprit(self, attempt_dir: str, rank: int, exitcode: int) -> int | None:
+        """The rank the OOM killer ended, when torch's agent named another one.
+
+        The agent names the failure with the earliest timestamp, and a rank with an error file
+        carries the time it wrote it: a survivor that failed at once on its dead peer (or that the
+        agent then stopped with SIGTERM) writes before the agent sees the peer, which left no file.
+        When the OOM killer fired during the attempt and exactly one other rank left no error file,
+        that rank is the one it killed."""
+        noted = os.path.join(attempt_dir, f"rank{rank}.error.json")
+        reacted = exitcode == -signal.SIGTERM or reacted_to_a_peer(_headline(noted))
+        if not reacted or self.oom_kills is None or (oom_kills() or 0) <= self.oom_kills:
+            return None
+        silent = [
+            r
+            for r in self.ranks.values()
+            if r != rank and not os.path.exists(os.path.join(attempt_dir, f"rank{r}.error.json"))
+        ]
+        return silent[0] if len(silent) == 1 else None
 
     def stragglers(self, signame: str, grace: float | None) -> str:
         """ " (2 workers did not end within 20 s of SIGTERM and were killed (SIGKILL))", or ""."""

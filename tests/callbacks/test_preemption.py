@@ -14,6 +14,8 @@ import os
 import random
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,21 +186,22 @@ def test_without_a_checkpoint_callback_one_line_says_nothing_was_saved(tmp_path:
     assert not (tmp_path / "models").exists()
 
 
+def _in_a_child(imports: str, call: str) -> subprocess.CompletedProcess:
+    """Run `call` in a fresh interpreter (its signals, its exit) with this repository on its path,
+    after `from tests.callbacks.test_preemption import <imports>`; output captured as text."""
+    root = Path(__file__).resolve().parents[2]
+    code = f"import signal\nfrom tests.callbacks.test_preemption import {imports}\n{call}\n"
+    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.slow  # a fresh interpreter: about 5 s
 def test_on_preempt_none_leaves_the_signal_to_python(tmp_path: Path) -> None:
     """No handler is installed: SIGUSR1 ends the process as Python's default does (checked in a child)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, signal, sys; sys.path[:0] = [os.environ['SRC']]\n"
-        "from tests.callbacks.test_preemption import _learner, _fit, SignalAt\n"
-        f"learn = _learner({str(tmp_path)!r}, on_preempt=None, cbs=[SignalAt(2, 'step', signal.SIGUSR1)])\n"
-        "_fit(learn)\n"
+    done = _in_a_child(
+        "_learner, _fit, SignalAt",
+        f"_fit(_learner({str(tmp_path)!r}, on_preempt=None, cbs=[SignalAt(2, 'step', signal.SIGUSR1)]))",
     )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGUSR1, done.stderr[-2000:]
 
 
@@ -223,23 +226,14 @@ def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_pat
     reach a step boundary) must end as SIGTERM's default action ends it, not hold the job for the
     launcher's whole grace: after STALL_S (3 s) without a batch it is killed by the signal (checked
     in a child: the process dies)."""
-    import subprocess
-    import sys
     import time
 
     from unison.callbacks.preemption import STALL_S
 
-    code = (
-        "import os, sys; sys.path[:0] = [os.environ['SRC']]\n"
-        "from tests.callbacks.test_preemption import _learner, _fit, HangAfterSignal\n"
-        f"_fit(_learner({str(tmp_path)!r}, cbs=[HangAfterSignal(2)]))\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
     start = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    hang = f"_fit(_learner({str(tmp_path)!r}, cbs=[HangAfterSignal(2)]))"
+    done = _in_a_child("_learner, _fit, HangAfterSignal", hang)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     sent = (tmp_path / "models" / "checkpoint.pth").exists()  # not reached: it never got to a boundary
     assert not sent
     print(f"seconds from start to its end: {time.monotonic() - start:.1f} (stall limit {STALL_S} s)")
@@ -268,19 +262,11 @@ def test_a_checkpoint_write_longer_than_the_stall_limit_is_not_taken_for_a_hang(
     outlasts the stall limit: the write is progress, so the rank finishes it, writes the preemption
     checkpoint and exits 75, instead of being killed by the signal mid-write (which kept only the
     previous checkpoint)."""
-    import subprocess
-    import sys
-
     from unison.callbacks.preemption import STALL_S
 
-    code = (
-        "import os, sys; sys.path[:0] = [os.environ['SRC']]\n"
-        "from tests.callbacks.test_preemption import fit_with_a_slow_save_signalled\n"
-        f"fit_with_a_slow_save_signalled({str(tmp_path)!r}, {STALL_S + 2})\n"
+    done = _in_a_child(
+        "fit_with_a_slow_save_signalled", f"fit_with_a_slow_save_signalled({str(tmp_path)!r}, {STALL_S + 2})"
     )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "SRC": str(root), "PYTHONPATH": f"{root / 'src'}:{root}"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == PREEMPTED_EXIT, done.stderr[-2000:]
     state = torch.load(tmp_path / "models" / "checkpoint.pth", weights_only=True)
     assert (state["epoch"], state["steps_done"]) == (0, 4)  # the write the signal interrupted (every=4)

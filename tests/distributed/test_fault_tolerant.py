@@ -178,6 +178,14 @@ def served_address(launch, timeout):
     raise AssertionError(f"no lighthouse address in {launch.log}:\n{Path(launch.log).read_text()[-2000:]}")
 
 
+def plain_run(tmp_path, epochs: int, *data: str) -> None:
+    """The plain one-process run the replicas are compared with: its weights in `tmp_path/plain.pt`."""
+    out = str(tmp_path / "plain.pt")
+    cmd = [sys.executable, str(SCRIPT), "--out", out, "--plain", "--epochs", str(epochs), *data]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -188,13 +196,7 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
 ):
     die_at = random.randint(4, 16)  # a random global step (of 64 or 92); printed on failure
     args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20", *data]
-    plain = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4", *data],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.returncode == 0, plain.stdout + plain.stderr
+    plain_run(tmp_path, 4, *data)
     lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
@@ -255,8 +257,7 @@ def group_launch(out, name, *args, lighthouse, where=None):
 def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_group_which_heals(tmp_path):
     die_at = random.randint(3, 12)  # a random global step (of 64); printed on failure
     common = ["--epochs", "4", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
-    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"]
-    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    plain_run(tmp_path, 4)
     procs = []
     try:  # group a's launcher serves the lighthouse (--start-lighthouse); group b joins it
         procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=None))
@@ -311,8 +312,7 @@ def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_kil
 ):
     die_at = random.randint(3, 10)  # a random global step (of 48); printed on failure
     common = ["--epochs", "3", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
-    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "3"]
-    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    plain_run(tmp_path, 3)
     port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
     serve = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
     lighthouse = subprocess.Popen(
@@ -352,8 +352,7 @@ def test_a_stalled_replica_does_not_hang_the_other_which_names_it_and_ends_on_th
 ):
     stall_at = random.randint(3, 10)  # b is SIGSTOPped mid-step there (of 32); printed on failure
     common = ["--epochs", "2", "--timeout", "3", "--start-replicas", "2"]
-    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "2"]
-    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    plain_run(tmp_path, 2)
     lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=100)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
@@ -419,8 +418,7 @@ def test_after_losing_every_replica_the_job_resumes_from_checkpoints_and_ends_on
     tmp_path,
 ):
     die_at = random.randint(3, 40)  # every replica dies mid-step here (of 64); printed on failure
-    plain = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "plain.pt"), "--plain", "--epochs", "4"]
-    subprocess.run(plain, check=True, capture_output=True, timeout=120)
+    plain_run(tmp_path, 4)
     lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []

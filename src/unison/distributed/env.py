@@ -161,7 +161,7 @@ def huge_pages_env() -> dict[str, str]:
     torch reads `THP_MEM_ALLOC_ENABLE` once, at its first allocation, so only a launcher can set
     it. With the kernel's THP mode `madvise` (common), each 2 MB buffer then costs one page fault
     instead of 512: sharded training on CPU frees and re-gathers every block's weights each step,
-    and ran 1.3x faster with less peak memory (benchmarks/RESULTS.md). Empty when the user set
+    and ran 1.56x faster with less peak memory (benchmarks/RESULTS.md). Empty when the user set
     the variable (their choice) or off Linux.
 
     >>> huge_pages_env() in ({}, {"THP_MEM_ALLOC_ENABLE": "1"})

@@ -99,3 +99,41 @@ def test_modules_stay_small_or_say_why():
         path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
         docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "Long on purpose" in docstring, f"{name} ({too_long[name]} lines) does not say why it is long"
+
+
+def package_of(module: str) -> str | None:
+    """The sub-package of unison a module belongs to (`unison.data.loader` -> `data`); None for a
+    top-level module (`unison.learner`), which is no package of its own."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def package_arrows(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the module imports that make the arrow."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = package_of(module), package_of(target)
+            if a and b and a != b:
+                arrows.setdefault((a, b), []).append(f"{module} -> {target}")
+    return arrows
+
+
+def test_the_package_checker_finds_two_packages_importing_each_other():
+    graph = {"unison.data.a": {"unison.distributed.b"}, "unison.distributed.b": {"unison.data.c"}}
+    graph["unison.data.c"] = set()
+    arrows = package_arrows(graph)
+    assert ("data", "distributed") in arrows and ("distributed", "data") in arrows
+
+
+def test_no_two_packages_import_each_other():
+    """The packages form layers (data, distributed, checkpoint, callbacks, launch): an import from a
+    lower one back up to a higher one, anywhere in a module (type-only and function-level too), would
+    make two packages that can only be understood together."""
+    arrows = package_arrows(import_graph())
+    both_ways = sorted(
+        f"{a} <-> {b}: {arrows[(a, b)][:2]} / {arrows[(b, a)][:2]}"
+        for a, b in arrows
+        if a < b and (b, a) in arrows
+    )
+    assert both_ways == []

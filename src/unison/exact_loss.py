@@ -33,8 +33,8 @@ from unison.losses import (
 )
 
 if TYPE_CHECKING:
-    from unison.callbacks.learner_view import LearnerView
     from unison.distributed.collective import Collective
+    from unison.learner_view import LearnerView
 
 
 def takes_targets(func: Callable[..., Any] | None) -> bool:

@@ -43,14 +43,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from unison.callbacks.core import (
-    Callback,
-    CancelBatchException,
-    CancelEpochException,
-    CancelFitException,
-    CancelTrainException,
-    CancelValidException,
-)
 from unison.callbacks.defaults import default_callbacks
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode
@@ -72,6 +64,14 @@ from unison.data.sharding import LoaderShards
 from unison.data.stream import StreamDL, check_stream_split, loader_length
 from unison.distributed import contexts
 from unison.distributed.collective import Collective
+from unison.events import (
+    Callback,
+    CancelBatchException,
+    CancelEpochException,
+    CancelFitException,
+    CancelTrainException,
+    CancelValidException,
+)
 from unison.exact_loss import ExactLoss
 from unison.learner_checks import check_devices, check_learner_args, refuse_unknown_length
 from unison.losses import SummedLoss

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from unison.callbacks.core import Callback
 from unison.data.batch import cat_structured, map_tensors
+from unison.events import Callback
 
 if TYPE_CHECKING:
     from unison.distributed.collective import Collective

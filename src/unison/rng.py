@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+from unison.env_names import CUBLAS_ENV
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

@@ -1,94 +1,26 @@
-"""The callback protocol: named events, an `order`, and the cancel exceptions.
+"""The callback protocol, under its historical name: `unison.events` defines it one layer down, so
+that the trainers and the checkpoint callback (packages below `unison.callbacks`) can subclass
+`Callback` without importing this package.
 
-A callback is a small object with methods named after the events it handles.
-The learner calls each event on every callback, sorted by `order` (lower first).
-Callbacks read and change the learner's state through `self.learn`.
+>>> from unison.callbacks.core import Callback, CancelFitException
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from unison.callbacks.learner_view import LearnerView
-
-# The events, in the order a fit raises them (the batch and phase events repeat).
-EVENTS: tuple[str, ...] = (
-    "before_fit",
-    "before_epoch",
-    "before_train",
-    "before_batch",
-    "after_pred",
-    "after_loss",
-    "before_backward",
-    "after_backward",
-    "before_step",
-    "after_step",
-    "after_cancel_batch",
-    "after_batch",
-    "after_cancel_train",
-    "after_train",
-    "before_validate",
-    "after_cancel_validate",
-    "after_validate",
-    "after_cancel_epoch",
-    "after_epoch",
-    "after_cancel_fit",
-    "after_fit",
+from unison.events import (
+    EVENTS,
+    Callback,
+    CancelBatchException,
+    CancelEpochException,
+    CancelFitException,
+    CancelTrainException,
+    CancelValidException,
 )
 
-
-class CancelFitException(Exception):
-    """Raise in a callback to stop fitting; `after_cancel_fit` then `after_fit` run."""
-
-
-class CancelEpochException(Exception):
-    """Raise to skip the rest of this epoch; `after_cancel_epoch` then `after_epoch` run."""
-
-
-class CancelTrainException(Exception):
-    """Raise to skip the rest of this epoch's training phase (validation still runs)."""
-
-
-class CancelValidException(Exception):
-    """Raise to skip the rest of this epoch's validation phase."""
-
-
-class CancelBatchException(Exception):
-    """Raise to skip the rest of this batch (e.g. its optimizer step); `after_batch` still runs."""
-
-
-class Callback:
-    """Base class: override the events you need; lower `order` runs first.
-
-    >>> class PrintLoss(Callback):
-    ...     def after_batch(self):
-    ...         if self.learn.training:
-    ...             print(float(self.learn.loss))
-    """
-
-    order: int = 0
-    learn: LearnerView
-
-    @property
-    def name(self) -> str:
-        """snake_case of the class name, minus a trailing `Callback`: the attribute on the learner."""
-        cls = type(self).__name__
-        if cls.endswith("Callback") and cls != "Callback":
-            cls = cls[: -len("Callback")]
-        out = []
-        for i, ch in enumerate(cls):
-            if ch.isupper() and i and not cls[i - 1].isupper():
-                out.append("_")
-            out.append(ch.lower())
-        return "".join(out)
-
-    def state_dict(self) -> dict[str, Any]:
-        """State a resumable checkpoint must keep (tensors and plain Python values only)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(order={self.order})"
+__all__ = [
+    "EVENTS",
+    "Callback",
+    "CancelBatchException",
+    "CancelEpochException",
+    "CancelFitException",
+    "CancelTrainException",
+    "CancelValidException",
+]

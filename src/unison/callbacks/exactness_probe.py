@@ -32,13 +32,8 @@ import torch
 from torch import Tensor
 
 from unison.callbacks.core import Callback, CancelFitException, CancelTrainException
+from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 
-#: The file rank 0 writes; setting it turns the probe on.
-PROBE_ENV = "UNISON_EXACT_PROBE"
-#: How many optimizer steps the probed fit takes.
-STEPS_ENV = "UNISON_EXACT_STEPS"
-#: "1": train in float64.
-FLOAT64_ENV = "UNISON_EXACT_FLOAT64"
 #: Version of the file's layout.
 PROBE_FORMAT = 1
 

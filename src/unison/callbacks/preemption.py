@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from unison.callbacks.core import Callback
+from unison.env_names import REQUEUE_ENV
 from unison.launch.signals import PREEMPTED_EXIT, parse_signals, preempt_signals
 
 if TYPE_CHECKING:
     from unison.checkpoint.callback import Checkpoint
 
 OnPreempt = Literal["stop", "requeue"]
-REQUEUE_ENV = "UNISON_REQUEUE"
 #: On several processes the ranks agree about this often (seconds of training), and at every step
 #: when steps are longer: one tiny all-reduce every step cost a small model 10% (docs/faults.md).
 CHECK_EVERY_S = 0.5

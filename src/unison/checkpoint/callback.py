@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from unison.callbacks.core import Callback
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.format import (
     FORMAT_KEY,
@@ -32,6 +31,7 @@ from unison.checkpoint.format import (
 )
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
 from unison.distributed.fsdp import is_sharded
+from unison.events import Callback
 from unison.rng import get_rng_state, set_rng_state
 
 

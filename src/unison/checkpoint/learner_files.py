@@ -21,7 +21,7 @@ from unison.distributed.env import rank_distrib
 from unison.distributed.fsdp import is_sharded
 
 if TYPE_CHECKING:
-    from unison.callbacks.learner_view import LearnerView
+    from unison.learner_view import LearnerView
 
 
 def model_file(learn: LearnerView, name: str | Path) -> Path:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from unison.callbacks.learner_view import LearnerView
+    from unison.learner_view import LearnerView
 
 # The trainers are imported where they are used: a plain script never loads DDP or FSDP2.
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-BACKEND_ENV = "UNISON_BACKEND"
+from unison.env_names import BACKEND_ENV, NVML_CHECK_ENV
+
 BACKENDS = ("nccl", "gloo")
-_NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def resolve_backend(backend: str | None = None, cuda: bool | None = None) -> str:
@@ -139,15 +139,15 @@ def cuda_check_without_init() -> Iterator[None]:
     forked subprocess"): torch's own check, `cudaGetDeviceCount`, does. torch's launcher calls
     `is_available()` too (`LaunchConfig`), so the whole fork path runs inside this block.
     """
-    saved = os.environ.get(_NVML_CHECK_ENV)
-    os.environ[_NVML_CHECK_ENV] = "1"
+    saved = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(_NVML_CHECK_ENV, None)
+            os.environ.pop(NVML_CHECK_ENV, None)
         else:
-            os.environ[_NVML_CHECK_ENV] = saved
+            os.environ[NVML_CHECK_ENV] = saved
 
 
 def bf16_supported() -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from unison.distributed.slurm import is_srun_task, srun_layout
+from unison.env_names import HUGE_PAGES_ENV
 
 # Each field lists the variables that carry it, first found wins.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -152,7 +153,6 @@ def threads_per_worker(local_world_size: int, cores: int | None = None) -> int:
 
 
 #: torch's switch for backing CPU buffers of 2 MB and more with transparent huge pages.
-HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def huge_pages_env() -> dict[str, str]:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from unison.callbacks.core import Callback
 from unison.data.batch import batch_size_of, map_tensors
+from unison.events import Callback
 from unison.launch.lighthouse import LIGHTHOUSE_ENV, REPLICA_ENV, lighthouse_main, start_lighthouse
 
 __all__ = [

@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from unison.distributed.devices import check_local_rank, resolve_backend
 from unison.distributed.env import DistribEnv, group_active
+from unison.env_names import TIMEOUT_ENV
 
 T = TypeVar("T")
 
 #: Seconds a collective may wait for the other ranks before failing (torch's default is 1800).
 DEFAULT_TIMEOUT_S = 600.0
-TIMEOUT_ENV = "UNISON_TIMEOUT"
 #: Seconds the main thread gives gloo's threads, without the GIL, before a group is destroyed.
 GLOO_SETTLE_S = 0.02
 #: Extra seconds an NCCL group waits beyond the timeout, for unison's stall diagnosis to come first.

@@ -33,13 +33,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from unison.callbacks.core import Callback
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
 from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
+from unison.events import Callback
 
 BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unison.callbacks.core import Callback
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.group import setup_distrib, teardown_distrib
 from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
 from unison.distributed.sync_bn import buffers_synchronised, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
+from unison.events import Callback
 
 #: DDP gradient bucket size on gloo (torch's default is 25). Measured with `benchmarks/run.py --knobs`
 #: (2 CPU processes): +8% samples/s on the MLP workload, neutral on the CNN. Fewer, larger all-reduces

@@ -31,9 +31,8 @@ import torch.distributed as dist
 
 from unison.distributed.env import DistribEnv
 from unison.distributed.group import created_by_unison, group_generation, group_key_prefix
+from unison.env_names import HEARTBEAT_ENV  # ("HOST:PORT" of the store `unison launch` hosts)
 
-#: Set by `unison launch` to the heartbeat store it hosts ("HOST:PORT"); see unison.launch.rendezvous.
-HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
 #: Seconds a diagnosis may spend reading heartbeats: a store that does not answer is itself a finding.
 READ_LIMIT_S = 5.0
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
+
 __all__ = ["CheckError", "Comparison", "compare", "main", "scale_batch_arg"]
 
 #: Default tolerances (relative) of the decisive comparison. float64 rounding (2e-16) amplified
@@ -141,8 +143,6 @@ def run_once(run: Run, opts: argparse.Namespace, steps: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", str(run.nproc)]
     cmd += ["-m"] if opts.module else []
     cmd += [opts.script, *args]
-    from unison.callbacks.exactness_probe import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
-
     env = {**os.environ, PROBE_ENV: str(run.record), STEPS_ENV: str(steps)}
     env.pop(FLOAT64_ENV, None)
     if run.float64:

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.environ import exported, quiet_torch_logs
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.lighthouse import (
-    LIGHTHOUSE_ENV,
     LighthouseOptionError,
     ReplicaOptions,
     add_replica_options,
@@ -59,7 +59,7 @@ from unison.launch.rendezvous import (
     rdzv_store_configs,
 )
 from unison.launch.signals import PREEMPTED_EXIT
-from unison.launch.worker import ENTRY_FLAGS, LAUNCHER_PID_ENV
+from unison.launch.worker import ENTRY_FLAGS
 
 if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig
@@ -349,7 +349,6 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.launcher.api import LaunchConfig
 
     from unison.distributed.env import huge_pages_env, threads_per_worker
-    from unison.distributed.group import TIMEOUT_ENV
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
@@ -358,8 +357,6 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
     if opts.backend is not None:
-        from unison.distributed.devices import BACKEND_ENV
-
         env[BACKEND_ENV] = opts.backend  # read by setup_distrib and the trainers in every worker
     if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]

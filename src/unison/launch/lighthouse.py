@@ -33,17 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import LaunchError
 
-#: torchft's own variable for the lighthouse's address (`http://host:port`).
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-#: The replica group's name: a restarted group keeps it (its launcher's `--replica-id`).
-REPLICA_ENV = "UNISON_REPLICA_ID"
-
 #: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
 DEFAULT_PORT = 29510
-_PARENT_ENV = "UNISON_LIGHTHOUSE_PARENT"  # the launcher a served lighthouse ends with
 _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
@@ -106,7 +101,7 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     print(f"{LIGHTHOUSE_ENV}={server.address()}", flush=True)
     stop = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    parent = int(os.environ.get(_PARENT_ENV, "0"))  # `unison launch --start-lighthouse`'s launcher
+    parent = int(os.environ.get(LIGHTHOUSE_PARENT_ENV, "0"))  # `unison launch --start-lighthouse`'s launcher
     while signal.sigtimedwait(stop, 0.5) is None:
         if parent and os.getppid() != parent:  # the launcher is gone (even SIGKILLed): so is this
             break
@@ -234,7 +229,7 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
         return
     cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
     cmd += ["--port", str(opts.lighthouse_port)]
-    env = {**os.environ, _PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, LIGHTHOUSE_PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         try:

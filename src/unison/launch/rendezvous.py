@@ -45,7 +45,7 @@ def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """
     import torch.distributed as dist
 
-    from unison.distributed.watchdog import HEARTBEAT_ENV
+    from unison.env_names import HEARTBEAT_ENV
 
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
@@ -100,7 +100,7 @@ def _session_of(pid: int) -> int | None:
 
 def _launched_by(pid: int, launcher: int) -> bool:
     """True when `pid` has the variable `unison launch` exports to its workers (their children inherit it)."""
-    from unison.launch.worker import LAUNCHER_PID_ENV
+    from unison.env_names import LAUNCHER_PID_ENV
 
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()

@@ -15,12 +15,12 @@ import os
 import signal
 from collections.abc import Mapping, Sequence
 
+from unison.env_names import SIGNALS_ENV, TORCHELASTIC_SIGNALS_ENV
+
 #: The exit status of a job every rank of which stopped on a preemption signal after its checkpoint
 #: was written: "preempted, resume me". sysexits.h's EX_TEMPFAIL ("temporary failure, try again"),
 #: distinct from 143 (SIGTERM, nothing saved) and from a crash.
 PREEMPTED_EXIT = 75
-SIGNALS_ENV = "UNISON_PREEMPT_SIGNALS"
-TORCHELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 #: What a worker treats as preemption when nothing says otherwise.
 WORKER_SIGNALS = "SIGTERM,SIGUSR1"
 #: What `unison launch` handles (forwards to its workers) by default: torch's four, and SIGUSR1,

@@ -26,7 +26,7 @@ import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import huge_pages_env, threads_per_worker
-from unison.distributed.group import TIMEOUT_ENV
+from unison.env_names import TIMEOUT_ENV
 
 START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs

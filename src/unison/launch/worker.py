@@ -45,8 +45,8 @@ import threading
 from types import TracebackType
 from typing import NoReturn
 
-#: Set by `unison launch` to its own pid: a worker whose parent is already gone exits at once.
-LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
+from unison.env_names import LAUNCHER_PID_ENV
+
 _PR_SET_PDEATHSIG = 1
 #: The worker's arguments before the target, by the launcher's entry kind (see `options.TorchrunChoices`).
 ENTRY_FLAGS: dict[str, tuple[str, ...]] = {"script": (), "module": ("-m",), "program": ("--exec",)}

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from unison.data.batch import batch_size_of
-from unison.data.loader import DistributedDL
+from unison.data.ranked import is_rank_sharded
 from unison.losses import (
     SummedLoss,
     TokenCrossEntropy,
@@ -142,8 +142,7 @@ class ExactLoss:
         global_rows = None
         if self.count_is_rows:
             dl = learn.dl
-            known = isinstance(dl, DistributedDL) or hasattr(dl, "global_rows")  # a StreamDL too
-            global_rows = float(dl.global_rows(learn.iter) if known else count)
+            global_rows = float(dl.global_rows(learn.iter) if is_rank_sharded(dl) else count)
         ref = self.step.add(count, global_rows)
         return mean if count == ref else total / ref
 

@@ -59,9 +59,9 @@ from unison.data.batch import (
     to_device,
 )
 from unison.data.checks import refuse_empty_train
-from unison.data.loader import DistributedDL
+from unison.data.ranked import RankShardedLoader, is_rank_sharded
 from unison.data.sharding import LoaderShards
-from unison.data.stream import StreamDL, check_stream_split, loader_length
+from unison.data.stream import check_stream_split, loader_length
 from unison.distributed import contexts
 from unison.distributed.collective import Collective
 from unison.events import (
@@ -161,7 +161,7 @@ class Learner:
         self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
         self.pct_train = 0.0
         self.training = False
-        self.dl: DistributedDL | StreamDL | DataLoader | None = None
+        self.dl: RankShardedLoader | DataLoader | None = None
         self.xb: tuple[Any, ...] = ()
         self.yb: tuple[Any, ...] = ()
         self.pred: Any = None
@@ -334,9 +334,8 @@ class Learner:
         start = 0
         if self.training and self.epoch == self.start_epoch and self.start_iter:
             start = self.start_iter
-            if isinstance(self.dl, (DistributedDL, StreamDL)):
+            if is_rank_sharded(self.dl):
                 self.dl.set_start(start)  # skip consumed batches without loading them
-            if isinstance(self.dl, StreamDL):
                 self.dl.load_state_dict(self.stream_resume_state)  # a stateful stream continues itself
             self.start_iter = 0
         for i, batch in enumerate(self.dl, start=start):
@@ -354,7 +353,7 @@ class Learner:
     def _trim_padding(self, batch_index: int) -> None:
         """Drop the rows `DistributedDL` added to even out ranks from the *inputs*: whatever
         computes the loss (the model itself included), padding is never scored."""
-        real = self.dl.real_rows(batch_index) if isinstance(self.dl, (DistributedDL, StreamDL)) else None
+        real = self.dl.real_rows(batch_index) if is_rank_sharded(self.dl) else None
         self._empty_share = real == 0
         self._padded_xb = self.xb
         if real is not None and real < batch_size_of(self.xb):
@@ -403,7 +402,7 @@ class Learner:
         self("after_step")
         self.opt.zero_grad(set_to_none=True)
 
-    def _shard(self, dl: Any, pad: bool = True) -> DataLoader | DistributedDL | StreamDL:
+    def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
         """This rank's share of `dl` this epoch (`unison.data.sharding`); `pad=False` in training."""
         shards, c = self._shards, self.collective
         return shards.get(dl, pad, c, self.epoch, self.data_seed, self.steps_per_epoch, self.stream_split)

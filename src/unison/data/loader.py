@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.data.plan import RankPlan, dealt_plan, sampler_order, strided_plan
+from unison.data.ranked import is_rank_sharded
 
 
 def _mix(*parts: int | str) -> int:
@@ -38,7 +40,7 @@ def shard_problem(dl: Any) -> str | None:
     >>> shard_problem(DataLoader(range(8), batch_size=None))
     'it has batch_size=None and no batch_sampler (no batching): ...'
     """
-    if isinstance(dl, DistributedDL) or type(dl).__name__ == "StreamDL":
+    if is_rank_sharded(dl):
         return None
     if not isinstance(dl, DataLoader):
         return f"it is a {type(dl).__name__}, not a torch DataLoader: wrap the dataset in a DataLoader"
@@ -52,6 +54,18 @@ def shard_problem(dl: Any) -> str | None:
             "give it a batch_size or a batch_sampler"
         )
     return None
+
+
+def _place_in_job() -> tuple[int, int]:
+    """(rank, world size) of this process: the process group's when one exists, else what a
+    torchrun-style launcher exported (`RANK`, `WORLD_SIZE`), else rank 0 of 1. (The data layer reads
+    no scheduler's variables: `unison.distributed.env.rank_distrib` does, for a caller that wants them.)"""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError as exc:
+        raise ValueError(f"DistributedDL: RANK / WORLD_SIZE are not integers ({exc})") from None
 
 
 class _TensorBatches(Dataset):
@@ -145,11 +159,9 @@ class DistributedDL:
             raise ValueError(
                 "DistributedDL shards the data itself: give it a loader without a DistributedSampler"
             )
-        # Imported here: unison.distributed re-exports this class, so a top-level import would be circular.
-        from unison.distributed.env import num_distrib, rank_distrib
-
-        self.rank = rank_distrib() if rank is None else rank
-        self.world_size = num_distrib() if world_size is None else world_size
+        here, world = _place_in_job()
+        self.rank = here if rank is None else rank
+        self.world_size = world if world_size is None else world_size
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"DistributedDL needs world_size >= 1 and 0 <= rank < world_size, "
@@ -350,6 +362,14 @@ class DistributedDL:
         if self._dl.generator is None:
             self._gen.manual_seed(_mix(self.seed, epoch, self.rank, "workers"))
         return iter(self._inner)
+
+    def state_dict(self) -> None:
+        """Nothing beyond the step: the epoch's order is a function of the seed and the epoch
+        (`RankShardedLoader`'s resume state, which a stream may have)."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Accepts what `state_dict` gave (None): `set_start` alone places a resume."""
 
     def __repr__(self) -> str:
         return (

@@ -12,6 +12,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from unison.data.loader import DistributedDL
+from unison.data.ranked import RankShardedLoader, is_rank_sharded
 from unison.data.stream import StreamDL
 
 
@@ -20,27 +21,27 @@ class LoaderShards:
     collective or the data seed changes (another world, another order)."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[int, bool], tuple[DataLoader, DistributedDL | StreamDL]] = {}
+        self._cache: dict[tuple[int, bool], tuple[DataLoader, RankShardedLoader]] = {}
 
     def clear(self) -> None:
         self._cache.clear()
 
     def get(
         self,
-        dl: DataLoader | DistributedDL | StreamDL,
+        dl: DataLoader | RankShardedLoader,
         pad: bool,
         collective: Any,
         epoch: int,
         seed: int,
         steps_per_epoch: int | None = None,
         split: str = "exact",
-    ) -> DataLoader | DistributedDL | StreamDL:
+    ) -> DataLoader | RankShardedLoader:
         """This rank's share of `dl` for `epoch`, in the order set by `seed`.
 
         Training (`pad=False`) splits the last global batch unevenly: no item twice. Evaluation
         pads by wrapping and trims the padding from the inputs. A stream (`IterableDataset`)
         is strided by `StreamDL` (or shards itself), every rank taking the same number of steps."""
-        if isinstance(dl, (DistributedDL, StreamDL)):
+        if is_rank_sharded(dl):
             return dl
         world = collective.world_size
         streaming = isinstance(dl.dataset, IterableDataset)
@@ -48,7 +49,7 @@ class LoaderShards:
             return dl  # one process, no batching: used as it is
         key = (id(dl), pad)
         if key not in self._cache or self._cache[key][0] is not dl:
-            sharded: DistributedDL | StreamDL
+            sharded: RankShardedLoader
             if streaming:
                 steps = None if pad else steps_per_epoch  # bounds training epochs only
                 sharded = StreamDL(dl, collective.rank, world, collective, steps, seed=seed, split=split)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Checkpoint, DataLoaders, Learner, accuracy, set_seed
-from unison.distributed import export_state_dict, rank_distrib
+from unison import Checkpoint, DataLoaders, Learner, accuracy, export_state_dict, set_seed
+from unison.distributed import rank_distrib
 
 parser = argparse.ArgumentParser(description="A small transformer trained sharded with unison.")
 parser.add_argument("--epochs", type=int, default=2)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from unison.callbacks.nonfinite import NonFiniteCheck, NonFiniteError, NonFiniteWarning
     from unison.callbacks.preemption import Preempted, Preemption
     from unison.checkpoint.errors import CheckpointError
+    from unison.checkpoint.sharded import export_state_dict
     from unison.data import DataLoaders, to_device
     from unison.launch.spawn import SpawnError, mp_spawn, spawn
     from unison.learner import Learner
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
         roc_auc,
     )
     from unison.rng import set_seed
+    from unison.run import Run
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -87,6 +89,7 @@ _EXPORTS = {
     "mp_spawn": "unison.launch.spawn",
     "spawn": "unison.launch.spawn",
     "Learner": "unison.learner",
+    "Run": "unison.run",
     "SummedLoss": "unison.losses",
     "NonFiniteCheck": "unison.callbacks.nonfinite",
     "NonFiniteError": "unison.callbacks.nonfinite",
@@ -104,6 +107,7 @@ _EXPORTS = {
     "roc_auc": "unison.metrics",
     "set_seed": "unison.rng",
     "CheckpointError": "unison.checkpoint.errors",
+    "export_state_dict": "unison.checkpoint.sharded",
 }
 
 
@@ -121,6 +125,7 @@ __all__ = [
     "CancelValidException",
     "Checkpoint",
     "CheckpointError",
+    "export_state_dict",
     "DataLoaders",
     "EVENTS",
     "EarlyStopping",
@@ -129,6 +134,7 @@ __all__ = [
     "LRFinder",
     "LRSchedulerCallback",
     "Learner",
+    "Run",
     "Metric",
     "MixedPrecision",
     "OneCycleScheduler",

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+import unison.engine as engine
 from unison.callbacks.defaults import default_callbacks
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode
@@ -52,18 +53,15 @@ from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
 from unison.checkpoint import learner_files
 from unison.data.batch import (
     DataLoaders,
-    batch_size_of,
     call_model,
-    split_batch,
     take_rows,
-    to_device,
 )
 from unison.data.checks import refuse_empty_train
 from unison.data.ranked import RankShardedLoader, is_rank_sharded
 from unison.data.sharding import LoaderShards
 from unison.data.stream import check_stream_split, loader_length
-from unison.distributed import contexts
 from unison.distributed.collective import Collective
+from unison.distributed.strategy import ParallelConfig, Strategy
 from unison.events import (
     Callback,
     CancelBatchException,
@@ -78,20 +76,6 @@ from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.optim import apply_lr, check_lr, group_lrs, make_optimizer
 from unison.predictions import PredsCollector, check_per_item_loss, predict_item
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside `DataParallel` / `DistributedDataParallel` / `torch.compile` wrappers,
-    so its `state_dict` keys never carry a wrapper's prefix (`module.`, `_orig_mod.`)."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(
-            getattr(model, "_orig_mod", None), nn.Module
-        ):
-            model = model._orig_mod
-        else:
-            return model
 
 
 class Learner:
@@ -170,6 +154,7 @@ class Learner:
         self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
         self.score = True  # False in get_preds: forward passes only, no loss
         self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
+        self.strategy: Strategy | None = None  # DDP, FSDP2 or torchft, inside distrib_ctx (unison.engine)
         self._shards = LoaderShards()  # each loader's sharded form, kept across epochs
         self.lr_finder: LRFinder | None = None  # set by lr_find
         self.cbs: list[Callback] = []
@@ -343,21 +328,8 @@ class Learner:
             if self.training:
                 self.train_iter = self.epoch * self.n_iter + self.iter
                 self.pct_train = self.train_iter / max(1, self.n_epoch * self.n_iter)
-            batch = to_device(batch, self._device, non_blocking=True)
-            self.xb, self.yb = split_batch(batch, self.n_inp)
-            self._trim_padding(i)
-            self.pred = self.loss = self.loss_grad = None  # a skipped batch must not report the last one
-            self.loss_count = 0.0
+            engine.prepare_batch(self, batch, i, self.n_inp, self._device)  # padding trimmed
             self._with_events(self._do_one_batch, "batch", CancelBatchException)
-
-    def _trim_padding(self, batch_index: int) -> None:
-        """Drop the rows `DistributedDL` added to even out ranks from the *inputs*: whatever
-        computes the loss (the model itself included), padding is never scored."""
-        real = self.dl.real_rows(batch_index) if is_rank_sharded(self.dl) else None
-        self._empty_share = real == 0
-        self._padded_xb = self.xb
-        if real is not None and real < batch_size_of(self.xb):
-            self.xb, self.yb = take_rows(self.xb, real), take_rows(self.yb, real)
 
     def _do_one_batch(self) -> None:
         if not self._devices_checked:
@@ -372,40 +344,22 @@ class Learner:
         self("after_pred")
         if not self.score or (self._empty_share and not self.training):
             return
-        total, count, mean = self.exact_loss.terms(self)
-        self.loss_count = count
-        if mean is None:
-            mean = total / count if count > 0 else total * 0
-        self.loss = mean.detach()
-        if self.training:
-            self.loss_grad = self.exact_loss.to_backward(self, total, count, mean)
-        else:
-            self.loss_grad = self.loss
+        engine.score(self, *self.exact_loss.terms(self))  # the loss as a sum and a count
         self("after_loss")
         if not self.training:
             return
         self("before_backward")
-        if self.scaler is not None:
-            self.scaler.scale(self.loss_grad).backward()
-        else:
-            self.loss_grad.backward()
-        if self.grad_sync:  # this batch ends an optimizer step: divide by its global count
-            self.exact_loss.normalise_grads(self)
+        engine.backward(self)  # then the gradient of the global batch, at a step's last micro-batch
         self("after_backward")
         self("before_step")
-        assert self.opt is not None
-        if self.scaler is not None:
-            self.scaler.step(self.opt)  # skipped when the scaled gradients overflowed
-            self.scaler.update()
-        else:
-            self.opt.step()
+        engine.optimizer_step(self)
         self("after_step")
+        assert self.opt is not None
         self.opt.zero_grad(set_to_none=True)
 
     def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
-        """This rank's share of `dl` this epoch (`unison.data.sharding`); `pad=False` in training."""
-        shards, c = self._shards, self.collective
-        return shards.get(dl, pad, c, self.epoch, self.data_seed, self.steps_per_epoch, self.stream_split)
+        """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""
+        return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
 
     @property
     def data_seed(self) -> int:
@@ -478,9 +432,14 @@ class Learner:
         return param.device if param is not None else torch.device("cpu")
 
     @property
+    def checkpoint_format(self) -> str:
+        """ "dcp" while the model is sharded (every rank writes its shards), else "file" (rank 0 writes)."""
+        return self.strategy.checkpoint_format if self.strategy is not None else "file"
+
+    @property
     def raw_model(self) -> nn.Module:
         """The user's model, without any parallel wrapper."""
-        return unwrap_model(self.model)
+        return engine.unwrap_model(self.model)
 
     def create_opt(self) -> torch.optim.Optimizer:
         """`opt_func(params, lr=...)`, with one param group per part of `splitter(model)` if given.
@@ -527,15 +486,15 @@ class Learner:
     def restore(self, snap: dict[str, Any]) -> None:
         learner_files.restore(self, snap)
 
-    # ---- parallel and distributed (unison.distributed.contexts) ------------------------
+    # ---- parallel and distributed (unison.engine, unison.distributed.strategy) ----------
     def to_parallel(self, device_ids: Sequence[int] | None = None) -> Learner:
         """Train with single-process `DataParallel` over `device_ids` (all GPUs by default)."""
-        contexts.to_parallel(self, device_ids)
+        engine.to_parallel(self, device_ids)
         return self
 
     def detach_parallel(self) -> Learner:
         """Undo `to_parallel`: the model is unwrapped again."""
-        contexts.detach_parallel(self)
+        engine.detach_parallel(self)
         return self
 
     @contextlib.contextmanager
@@ -564,12 +523,14 @@ class Learner:
 
         >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
         """
-        contexts.to_distributed(self, cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
+        engine.attach_strategy(
+            self, ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
+        )
         return self
 
     def detach_distributed(self) -> Learner:
         """Undo `to_distributed`: model, BatchNorm, loaders and logging as they were."""
-        contexts.detach_distributed(self)
+        engine.detach_strategy(self)
         return self
 
     @contextlib.contextmanager
@@ -592,7 +553,7 @@ class Learner:
         try:
             yield self
         except Exception as exc:
-            contexts.name_stalled_rank(self, exc)
+            engine.name_stalled_rank(self, exc)
             raise
         finally:
             self.detach_distributed()

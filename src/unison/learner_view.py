@@ -61,6 +61,11 @@ class LearnerView(Protocol):
     data_seed: int
     stream_resume_state: dict[str, Any] | None
     _empty_share: bool  # this rank has no rows in the current batch (its share of the last one)
+    _padded_xb: tuple[Any, ...]  # the inputs before padding rows were trimmed (an empty share's forward)
+    strategy: Any  # the parallel strategy (unison.distributed.strategy.Strategy), None outside one
+
+    @property
+    def checkpoint_format(self) -> str: ...
 
     @property
     def raw_model(self) -> nn.Module: ...

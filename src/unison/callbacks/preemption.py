@@ -214,10 +214,9 @@ class Preemption(Callback):
         if ckpt is not None:
             if not saved_now:
                 ckpt.save(*position)
-            from unison.checkpoint.sharded import sharded_path
-            from unison.distributed.fsdp import is_sharded
+            from unison.checkpoint.sharded import sharded_path  # (DCP loads only where it is used)
 
-            saved = str(sharded_path(ckpt.file) if is_sharded(learn.model) else ckpt.file)
+            saved = str(sharded_path(ckpt.file) if learn.checkpoint_format == "dcp" else ckpt.file)
         requeued = ""
         if self.requeue and collective.is_main:
             from unison.distributed.slurm import requeue

@@ -40,6 +40,7 @@ class GradientAccumulation(Callback):
     """
 
     order = -20  # decides before anything reads grad_sync or steps
+    accumulates_gradients = True  # what FaultTolerantTrainer refuses (it does not import this package)
 
     def __init__(self, n_acc: int = 2):
         if not isinstance(n_acc, int) or n_acc < 1:

@@ -30,7 +30,6 @@ from unison.checkpoint.format import (
     remove_stale_temps,
 )
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
-from unison.distributed.fsdp import is_sharded
 from unison.events import Callback
 from unison.rng import get_rng_state, set_rng_state
 
@@ -105,7 +104,7 @@ class Checkpoint(Callback):
         rng_states = [rng for rng, _ in gathered]
         stream_states = [stream for _, stream in gathered]
         recorder_partial = learn.recorder.partial_state() if batches_done else None
-        sharded = is_sharded(learn.model)  # then every rank writes its shards (checkpoint/sharded.py)
+        sharded = learn.checkpoint_format == "dcp"  # every rank writes its shards (checkpoint/sharded.py)
         if collective.is_main or sharded:
             assert learn.opt is not None
             state: dict[str, Any] = {
@@ -156,7 +155,10 @@ class Checkpoint(Callback):
         if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
             remove_stale_temps(self.file)
         # a sharded run's checkpoint folder, verified (or the previous one, when kept)
-        folder, sharded_state = checked_source(self.file, learn.model, learn.collective, self.keep_previous)
+        sharded = learn.checkpoint_format == "dcp"
+        folder, sharded_state = checked_source(
+            self.file, learn.model, learn.collective, self.keep_previous, sharded=sharded
+        )
         if sharded_state is not None:
             state = sharded_state
         elif self.file.exists():

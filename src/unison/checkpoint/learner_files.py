@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from unison.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
 from unison.checkpoint.sharded import load_learner, save_learner
 from unison.distributed.env import rank_distrib
-from unison.distributed.fsdp import is_sharded
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -35,7 +34,7 @@ def model_file(learn: LearnerView, name: str | Path) -> Path:
 def save(learn: LearnerView, name: str | Path, with_opt: bool = True) -> Path:
     """Write the model (and optimizer) state atomically; rank 0 writes, every rank waits for it."""
     file = model_file(learn, name)
-    if is_sharded(learn.model):  # every rank writes its own shards: name.dcp
+    if learn.checkpoint_format == "dcp":  # every rank writes its own shards: name.dcp
         return save_learner(learn, file, with_opt)
     # Outside distrib_ctx the collective says rank 0 everywhere: the group or launcher decides.
     if learn.collective.is_main and rank_distrib() == 0:

@@ -60,7 +60,6 @@ from unison.checkpoint.format import (
 )
 from unison.checkpoint.integrity import CHECKSUM, check_files, file_checksum
 from unison.distributed.collective import Collective
-from unison.distributed.fsdp import is_sharded
 
 META_FILE = "unison.pth"
 
@@ -244,14 +243,19 @@ def _read_record(path: Path) -> dict[str, Any]:
 
 
 def checked_source(
-    file: str | os.PathLike[str], model: nn.Module, collective: Collective, keep_previous: bool = False
+    file: str | os.PathLike[str],
+    model: nn.Module,
+    collective: Collective,
+    keep_previous: bool = False,
+    *,
+    sharded: bool,
 ) -> tuple[Path | None, dict[str, Any] | None]:
     """The sharded folder to resume `file` from and its meta state, verified; (None, None) when there
     is none (see `sharded_source`). A refused folder raises `CheckpointError`, unless
     `keep_previous` and the previous folder verifies: then it is used, with a warning.
     A collective: every rank calls it, and every rank takes the same branch.
     """
-    folder = sharded_source(file, model)
+    folder = sharded_source(file, sharded)
     if folder is None:
         return None, None
     try:
@@ -360,11 +364,12 @@ def load_full_into_sharded(
     set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def sharded_source(file: str | os.PathLike[str], model: nn.Module) -> Path | None:
-    """The sharded folder to resume `file` from: there is one, and the model is sharded or
-    there is no plain `file` (a plain file into a plain model is the usual path)."""
+def sharded_source(file: str | os.PathLike[str], sharded: bool) -> Path | None:
+    """The sharded folder to resume `file` from: there is one, and the model is `sharded` (its
+    strategy's checkpoint format is "dcp") or there is no plain `file` (a plain file into a plain
+    model is the usual path)."""
     folder = find_sharded(sharded_path(file))
-    return folder if folder is not None and (is_sharded(model) or not Path(file).exists()) else None
+    return folder if folder is not None and (sharded or not Path(file).exists()) else None
 
 
 def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any]) -> bool:
@@ -373,7 +378,7 @@ def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any])
     False when neither (a plain checkpoint into a plain model: the caller's business)."""
     if folder is not None:
         load_sharded(folder, learn.model, learn.opt, learn.collective)
-    elif is_sharded(learn.model):
+    elif learn.checkpoint_format == "dcp":
         load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
     else:
         return False
@@ -391,8 +396,9 @@ def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:
 def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
     """`Learner.load` where sharding is involved: a sharded save (`file` with suffix `.dcp`), or
     a plain `file` onto a sharded learner (each rank keeps its slices). False when neither."""
-    folder = sharded_source(file, learn.model)
-    if folder is None and not is_sharded(learn.model):
+    sharded = learn.checkpoint_format == "dcp"
+    folder = sharded_source(file, sharded)
+    if folder is None and not sharded:
         return False
     if folder is not None:
         read_meta(folder, learn.model, learn.collective)

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from unison.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from unison.checkpoint.sharded import export_state_dict
     from unison.data.loader import DistributedDL
     from unison.distributed.collective import Collective
     from unison.distributed.env import DistribEnv, is_main_process, local_rank, num_distrib, rank_distrib
@@ -46,7 +45,6 @@ _EXPORTS = {
     "start_lighthouse": "unison.distributed.fault_tolerant",
     "ShardedTrainer": "unison.distributed.sharded",
     "is_sharded": "unison.distributed.sharded",
-    "export_state_dict": "unison.checkpoint.sharded",
     "SyncBatchNorm": "unison.distributed.sync_bn",
     "convert_sync_batchnorm": "unison.distributed.sync_bn",
     "revert_sync_batchnorm": "unison.distributed.sync_bn",
@@ -73,7 +71,6 @@ __all__ = [
     "ShardedTrainer",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
-    "export_state_dict",
     "is_main_process",
     "is_sharded",
     "local_rank",

@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,8 +39,9 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.data.batch import batch_size_of, map_tensors
+from unison.distributed.lighthouse import start_lighthouse
+from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
-from unison.launch.lighthouse import LIGHTHOUSE_ENV, REPLICA_ENV, lighthouse_main, start_lighthouse
 
 __all__ = [
     "LIGHTHOUSE_ENV",
@@ -48,7 +50,6 @@ __all__ = [
     "QuorumWitness",
     "ReplicaBehindError",
     "ReplicaGroupLostError",
-    "lighthouse_main",
     "start_lighthouse",
 ]
 
@@ -116,6 +117,8 @@ class FaultTolerantTrainer(Callback):
     # First: the step's share is cut before any other callback sees the batch, and the gradient is
     # reduced before anything (non-finite check, clipping, unscaling) reads it.
     order = -30
+    kind = "torchft"
+    checkpoint_format = "file"  # whole replicas: rank 0 writes one file
 
     def __init__(
         self,
@@ -125,11 +128,16 @@ class FaultTolerantTrainer(Callback):
         timeout: float = 30.0,
         quorum_timeout: float = 60.0,
         start_replicas: int = 1,
+        advertised_host: Callable[[str | None], str] | None = None,
     ) -> None:
         self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         self.replica_id = replica_id or os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
         self.start_replicas = start_replicas
+        # How this replica names its host to the others: given by the engine (the launcher's network
+        # helpers find the interface that routes to the lighthouse); the host name on one machine.
+        self._advertised_host = advertised_host or (lambda lighthouse: socket.gethostname())
+        self.active = False
         self.manager: Any = None
         self._store: Any = None
         self._witness = QuorumWitness(None)
@@ -179,9 +187,7 @@ class FaultTolerantTrainer(Callback):
             self.group_rank, self.group_size = dist.get_rank(), dist.get_world_size()
         from torchft.checkpointing import HTTPTransport
 
-        from unison.launch.lighthouse import advertised_host
-
-        host = advertised_host(self.lighthouse)  # the host name on one machine
+        host = self._advertised_host(self.lighthouse)  # the host name on one machine
         if self.group_rank == 0:
             self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         # Group rank 0's store, name and data seed for every rank of the group (one replica id, one order).
@@ -216,8 +222,14 @@ class FaultTolerantTrainer(Callback):
         )
         self._witness = QuorumWitness(self.manager._client)
         self.manager._client = self._witness  # (torchft keeps each quorum's members to itself)
+        self.active = True
+
+    def diagnose(self) -> None:
+        """A lost replica is survived (its step redone), not named as a stalled rank."""
+        return None
 
     def restore(self) -> None:
+        self.active = False
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -253,9 +265,8 @@ class FaultTolerantTrainer(Callback):
     # ---- the loop ---------------------------------------------------------------------
     def before_fit(self) -> None:
         learn = self.learn
-        from unison.callbacks.training import GradientAccumulation
-
-        if any(isinstance(cb, GradientAccumulation) for cb in learn.cbs):
+        # (GradientAccumulation says so by this attribute: this package does not import the callbacks.)
+        if any(getattr(cb, "accumulates_gradients", False) for cb in learn.cbs):
             raise ValueError(
                 "distrib_ctx(fault_tolerant=True) does not support GradientAccumulation yet: "
                 "give the loader the whole global batch instead"

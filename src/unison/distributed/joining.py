@@ -71,11 +71,14 @@ def join_collective(learn: Any, collective: Collective) -> None:
     learn.data_seed = collective.broadcast_object(learn.data_seed)
 
 
-def check_loaders_agree(learn: Any, collective: Collective, check_data: bool = True) -> None:
+def check_loaders_agree(
+    learn: Any, collective: Collective, check_data: bool = True, loaders: Any = None
+) -> None:
     """Every rank must hold the same data: a loader of different length would desynchronise them,
     and different items (random data made without `set_seed`, another file per node) would mix.
-    `check_data=False` compares lengths only (data meant to differ)."""
-    dls = (("train", learn.dls.train), ("valid", learn.dls.valid))
+    `check_data=False` compares lengths only (data meant to differ). `loaders`: (name, loader)
+    pairs to check (default: the learner's train and valid loaders)."""
+    dls = loaders if loaders is not None else (("train", learn.dls.train), ("valid", learn.dls.valid))
     local = {
         name: (
             len(dl.dataset) if hasattr(dl.dataset, "__len__") else None,

@@ -181,6 +181,7 @@ class ShardedTrainer(Callback):
     """
 
     order = 1000  # last, as DistributedTrainer: it reads grad_sync after GradientAccumulation set it
+    kind = "fsdp"
 
     def __init__(
         self,
@@ -218,6 +219,11 @@ class ShardedTrainer(Callback):
         self.monitor: RankMonitor | None = None
         self._sync = True
         self._failed = False
+
+    @property
+    def checkpoint_format(self) -> str:
+        """ "dcp" while the model is sharded (every rank writes its own shards), else "file"."""
+        return "dcp" if is_sharded(self.learn.model) else "file"
 
     # ---- set up and put back ----------------------------------------------------------
     def setup(self) -> None:

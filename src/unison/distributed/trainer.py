@@ -85,6 +85,8 @@ class DistributedTrainer(Callback):
     # collective" only after every other callback's `before_backward` ran (a stall in one of
     # those must show as this rank lagging).
     order = 1000
+    kind = "ddp"
+    checkpoint_format = "file"  # whole replicas: rank 0 writes one file
 
     def __init__(
         self,

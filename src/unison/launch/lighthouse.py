@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import LaunchError
@@ -44,30 +45,6 @@ _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$"
 
 class LighthouseOptionError(ValueError):
     """A `--lighthouse` / `--start-lighthouse` / `--replica-id` choice that cannot work."""
-
-
-def start_lighthouse(
-    min_replicas: int = 1,
-    port: int = 0,
-    join_timeout_ms: int = 2000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5000,
-) -> Any:
-    """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
-    its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.
-
-    >>> lighthouse = start_lighthouse(min_replicas=2)                     # doctest: +SKIP
-    >>> os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()           # doctest: +SKIP
-    """
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(
-        bind=f"[::]:{port}",
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
 
 
 def lighthouse_main(argv: Sequence[str]) -> int:

@@ -1,0 +1,222 @@
+"""The engine under both training loops: the parallel strategy a host trains with, and the steps
+of one batch. The `Learner` (fit's named events) and the own-loop `Run` are its two clients;
+each is a host (`unison.learner_view.LearnerView`): the state the engine, the strategies and the
+callbacks read and set. Neither loop re-implements what is here.
+
+- Strategies: `attach_strategy(host, config)` builds the strategy `ParallelConfig` chooses (DDP,
+  FSDP2, torchft), makes it one of the host's callbacks (it takes part in the loop's events) and
+  sets it up; `detach_strategy` undoes it; `name_stalled_rank` turns a failed collective into
+  the error naming the rank that stopped. `to_parallel` is single-process `DataParallel`.
+- One batch: `prepare_batch` (to the device, inputs and targets, padding trimmed), `score`
+  (the loss as a sum and a count, what to backpropagate), `backward` (then the gradient of the
+  global batch) and `optimizer_step` (the scaler's when there is one).
+
+>>> attach_strategy(learn, ParallelConfig(shard=True))   # learn.to_distributed(shard=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from unison.data.batch import batch_size_of, split_batch, take_rows, to_device
+from unison.data.ranked import is_rank_sharded
+from unison.distributed.joining import check_loaders_agree
+from unison.distributed.strategy import ParallelConfig, Strategy, make_strategy
+
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
+
+__all__ = [
+    "ParallelConfig",
+    "attach_strategy",
+    "backward",
+    "check_loader_agrees",
+    "detach_parallel",
+    "detach_strategy",
+    "name_stalled_rank",
+    "optimizer_step",
+    "prepare_batch",
+    "score",
+    "shard_loader",
+    "to_parallel",
+    "trim_padding",
+    "unwrap_model",
+]
+
+
+# ---- the strategy ------------------------------------------------------------------------------
+def _advertised_host(lighthouse: str | None) -> str:
+    """How a torchft replica names its host to the others (its address on the route to the lighthouse)."""
+    # Imported here: only a fault-tolerant run needs the launcher's network helpers.
+    from unison.launch.lighthouse import advertised_host
+
+    return advertised_host(lighthouse)
+
+
+def attach_strategy(host: LearnerView, config: ParallelConfig) -> Strategy:
+    """Join (or make) the process group and train with the strategy `config` chooses: it becomes one
+    of the host's callbacks and `host.strategy`. A refused setup leaves the host as it was."""
+    strategy = make_strategy(config, advertised_host=_advertised_host)
+    host.add_cb(strategy)
+    host.strategy = strategy
+    try:
+        strategy.setup()
+    except BaseException:
+        host.remove_cb(strategy)
+        host.strategy = None
+        raise
+    return strategy
+
+
+def detach_strategy(host: LearnerView) -> None:
+    """Model, BatchNorm, loaders and logging as they were before `attach_strategy`."""
+    for strategy in [c for c in host.cbs if isinstance(c, Strategy)]:
+        strategy.restore()
+        host.remove_cb(strategy)
+    host.strategy = None
+
+
+def name_stalled_rank(host: LearnerView, exc: BaseException) -> None:
+    """A collective that failed because another rank stopped: raise the error naming that rank.
+    (Only a RuntimeError can be one: this rank's own ValueError or TypeError is its own cause.)"""
+    strategy = host.strategy
+    if not isinstance(exc, RuntimeError) or strategy is None:
+        return
+    stalled = strategy.diagnose()
+    if stalled is not None:
+        raise stalled from exc
+
+
+def to_parallel(host: LearnerView, device_ids: Sequence[int] | None = None) -> None:
+    """Single-process `DataParallel` over `device_ids` (all GPUs by default)."""
+    # Imported here: a plain script never loads torch's parallel wrappers.
+    from unison.distributed.trainer import ParallelTrainer
+
+    trainer = ParallelTrainer(device_ids)
+    host.add_cb(trainer)
+    trainer.setup()
+
+
+def detach_parallel(host: LearnerView) -> None:
+    from unison.distributed.trainer import ParallelTrainer  # (as in to_parallel)
+
+    for cb in [c for c in host.cbs if isinstance(c, ParallelTrainer)]:
+        cb.restore()
+        host.remove_cb(cb)
+
+
+# ---- one batch ---------------------------------------------------------------------------------
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside `DataParallel` / `DistributedDataParallel` / `torch.compile` wrappers,
+    so its `state_dict` keys never carry a wrapper's prefix (`module.`, `_orig_mod.`).
+
+    >>> unwrap_model(nn.parallel.DataParallel(nn.Linear(2, 2))).__class__.__name__
+    'Linear'
+    """
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def shard_loader(
+    host: LearnerView, dl: Any, pad: bool, steps_per_epoch: int | None = None, split: str = "exact"
+) -> Any:
+    """This rank's share of `dl` this epoch (`unison.data.sharding`), in the host's data order;
+    `pad=False` in training (exactly the set's items, none twice), True in evaluation."""
+    shards, c = host._shards, host.collective
+    return shards.get(dl, pad, c, host.epoch, host.data_seed, steps_per_epoch, split)
+
+
+def check_loader_agrees(host: LearnerView, dl: Any, name: str, check_data: bool = True) -> None:
+    """Across the ranks of a job, `dl` must be shardable and hold the same items, and its sampler
+    must draw the same order on every rank (one seeded by torch does; one drawing from Python's
+    `random` or NumPy does not, and would deal some items twice and others never): else a one-line
+    error naming the fix. Nothing on one process."""
+    collective = host.collective
+    if collective.world_size == 1:
+        return
+    check_loaders_agree(host, collective, check_data, loaders=((name, dl),))
+    sharded = shard_loader(host, dl, pad=False)
+    order = getattr(sharded, "global_order", None)
+    if order is None:
+        return  # a stream: its per-step fingerprints are compared as it is read
+    digest = hashlib.blake2b(repr(order(0)).encode(), digest_size=8).hexdigest()
+    digests = collective.gather_objects(digest)
+    if len(set(digests)) > 1:
+        others = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise ValueError(
+            f"the {name} loader's sampler draws another order on rank(s) {others} than on rank 0: it uses "
+            "a random generator unison cannot seed (Python's random, NumPy); give it a torch.Generator "
+            "(or shuffle=True) so that every rank deals the same global order"
+        )
+
+
+def real_rows(host: LearnerView, index: int) -> int | None:
+    """How many leading rows of the current loader's batch `index` are real items (None: all)."""
+    return host.dl.real_rows(index) if is_rank_sharded(host.dl) else None
+
+
+def trim_padding(host: LearnerView, batch: Any, index: int) -> tuple[Any, bool, Any]:
+    """`(batch without its padding rows, whether no row is real, batch as it came)`: the own loop's
+    whole batch, trimmed as `prepare_batch` trims the learner's inputs and targets."""
+    real = real_rows(host, index)
+    trimmed = take_rows(batch, real) if real is not None and real < batch_size_of(batch) else batch
+    return trimmed, real == 0, batch
+
+
+def prepare_batch(host: LearnerView, batch: Any, index: int, n_inp: int, device: torch.device) -> None:
+    """`batch` on the host's device, split into `host.xb` / `host.yb`, with the rows a rank-sharded
+    loader added to even out ranks dropped from the *inputs*: whatever computes the loss (the
+    model itself included), padding is never scored. `host._empty_share`: no real rows here."""
+    batch = to_device(batch, device, non_blocking=True)
+    host.xb, host.yb = split_batch(batch, n_inp)
+    real = real_rows(host, index)
+    host._empty_share = real == 0
+    host._padded_xb = host.xb
+    if real is not None and real < batch_size_of(host.xb):
+        host.xb, host.yb = take_rows(host.xb, real), take_rows(host.yb, real)
+    host.pred = host.loss = host.loss_grad = None  # a skipped batch must not report the last one
+    host.loss_count = 0.0
+
+
+def score(host: LearnerView, total: Tensor, count: float, mean: Tensor | None) -> None:
+    """Set the batch's loss (`host.loss`, its mean), count and, in training, what to backpropagate
+    (`host.loss_grad`: the sum over a constant, so the step's gradient can be made exact)."""
+    host.loss_count = count
+    if mean is None:
+        mean = total / count if count > 0 else total * 0
+    host.loss = mean.detach()
+    host.loss_grad = host.exact_loss.to_backward(host, total, count, mean) if host.training else host.loss
+
+
+def backward(host: LearnerView) -> None:
+    """Backpropagate `host.loss_grad` (scaled under fp16); at the last micro-batch of an optimizer
+    step, divide the gradient by the global count of that step's loss terms."""
+    assert host.loss_grad is not None
+    if host.scaler is not None:
+        host.scaler.scale(host.loss_grad).backward()
+    else:
+        host.loss_grad.backward()
+    if host.grad_sync:  # this batch ends an optimizer step: divide by its global count
+        host.exact_loss.normalise_grads(host)
+
+
+def optimizer_step(host: LearnerView) -> None:
+    """Step the optimizer (through the grad scaler, which skips a step whose gradients overflowed)."""
+    assert host.opt is not None
+    if host.scaler is not None:
+        host.scaler.step(host.opt)
+        host.scaler.update()
+    else:
+        host.opt.step()

@@ -1,0 +1,304 @@
+"""`Run`: your own training loop, with the `Learner`'s guarantees, by the `Learner`'s engine.
+
+    run = unison.Run()                      # or Run(shard=True): FSDP2; reads the launch, plain on 1 process
+    model, opt = run.setup(model, opt)      # DDP / FSDP2, exact BatchNorm, this process's device
+    train = run.loader(train_dl)            # one global order for any W, no duplicates, resumable
+    run.checkpoint(every=100)               # atomic; run.epochs(n, resume=True) continues mid-epoch
+    for epoch in run.epochs(10):
+        model.train()
+        for x, y in train:
+            loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))
+            run.backward(loss)
+            opt.step(); opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            preds = [run.gather(model(x).argmax(1)) for x, _ in valid]   # every item once, in order
+
+A `Run` is a host of the engine (`unison.engine`), as the `Learner` is: the strategy `ParallelConfig`
+chooses (DDP, FSDP2), the rank-sharded loaders, the exact loss (a sum and a count, the gradient
+divided by the global count at each step), and the callbacks that hold the guarantees
+(`NonFiniteCheck`, `Preemption`, `Checkpoint`, `Recorder`, `unison check-exact`'s probe) are the
+Learner's own, driven here at the same events from the points of your loop: iterating a loader
+(before_batch, after_batch), `run.loss` (after_loss), `run.backward` (before/after_backward) and the
+optimizer `setup` returns (before/after_step; a no-op on accumulation micro-steps).
+
+Refused in one line, never silently wrong: `run.loss` without `count` (a loss averaged on each rank
+weighs ranks, not items), `fault_tolerant=True` (the Learner has it: `distrib_ctx(fault_tolerant=True)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+import unison.engine as engine
+from unison.callbacks.defaults import default_callbacks
+from unison.callbacks.exactness_probe import attach_if_checking
+from unison.callbacks.nonfinite import Mode
+from unison.callbacks.preemption import OnPreempt, handling
+from unison.callbacks.progress import ProgressCallback
+from unison.checkpoint import learner_files
+from unison.checkpoint.callback import Checkpoint
+from unison.data.batch import map_tensors
+from unison.data.loader import shard_problem
+from unison.distributed.strategy import ParallelConfig
+from unison.events import Callback, CancelEpochException, CancelFitException
+from unison.run_host import RunHost, RunLoader, RunOptimizer
+
+__all__ = ["Run"]
+
+
+class Run:
+    """Your own loop on 1 or W processes, W processes equal to one at the same global batch.
+
+    Options are `distrib_ctx`'s (`shard`, `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`,
+    DDP's or FSDP2's keyword arguments) and: `accumulate` (optimizer steps every k batches, the
+    gradient that of the k batches together), `path`/`model_dir` (where checkpoints go),
+    `on_nonfinite` ("stop" or "skip"), `on_preempt` ("stop", "requeue" or None).
+    `run.recorder` holds each epoch's exact training (and validation) loss.
+
+    >>> with unison.Run() as run:                       # doctest: +SKIP
+    ...     model, opt = run.setup(model, torch.optim.AdamW(model.parameters()))
+    """
+
+    def __init__(
+        self,
+        *,
+        shard: bool = False,
+        fault_tolerant: bool | dict[str, Any] = False,
+        sync_bn: bool = True,
+        timeout: float | None = None,
+        cuda_id: int | None = None,
+        backend: str | None = None,
+        accumulate: int = 1,
+        path: str | Path = ".",
+        model_dir: str | Path = "models",
+        on_nonfinite: Mode | None = "stop",
+        on_preempt: OnPreempt | None = "stop",
+        **options: Any,
+    ) -> None:
+        if fault_tolerant:
+            raise ValueError(
+                "Run(fault_tolerant=True) is not supported yet (a redone step needs the loss function): "
+                "use Learner(...).distrib_ctx(fault_tolerant=True), or Run() and unison launch --max-restarts"
+            )
+        if on_nonfinite == "anomaly":
+            raise ValueError('Run(on_nonfinite="anomaly") is not supported (it reruns the loss): use "stop"')
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(f"Run: accumulate must be a positive int, got {accumulate!r}")
+        config = ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **options)
+        self.host = RunHost(config, accumulate, Path(path), Path(model_dir))
+        defaults = default_callbacks(self.host.recorder, on_nonfinite, on_preempt)
+        self.host.add_cbs(cb for cb in defaults if not isinstance(cb, ProgressCallback))  # (no bars here)
+        self._stack = contextlib.ExitStack()
+        self._open = False
+
+    # ---- the loop's parts ----------------------------------------------------------------
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, RunOptimizer]:
+        """Join the launch's process group (a no-op outside one) and train `model` with the strategy:
+        its BatchNorm synchronised exactly, wrapped for DDP (or sharded with `shard=True`), on this
+        process's device. Returns the model to call and the optimizer to step.
+
+        >>> model, opt = run.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))  # doctest: +SKIP
+        """
+        host = self.host
+        if host.model is not None:
+            raise RuntimeError("Run.setup was called already: one model and optimizer per Run")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"Run.setup(model, opt): opt must be a torch optimizer, got {type(opt).__name__}")
+        host.model, host.opt, host.lr = model, opt, opt.defaults.get("lr")
+        # (FSDP2 rebuilds the optimizer over the shards: the same kind, the same hyper-parameters.)
+        host.opt_func = lambda params, lr=None: type(opt)(params, **opt.defaults)
+        attach_if_checking(host)  # only under `unison check-exact`: records the first steps
+        engine.attach_strategy(host, host.config)
+        self._open = True
+        return host.model, RunOptimizer(host)
+
+    def loader(self, dl: DataLoader, *, train: bool | None = None) -> RunLoader:
+        """This rank's share of `dl`, each epoch in the order of the epoch (the same for any number of
+        processes), every item once, padding removed; resumable mid-epoch. Iterate it with the model
+        in train mode for a training pass, in eval mode for an evaluation. The first loader given is
+        the training one (whose steps checkpoints count) unless `train` says otherwise.
+
+        >>> train = run.loader(DataLoader(ds, batch_size=32, shuffle=True))   # doctest: +SKIP
+        """
+        host = self.host
+        self._require_setup("loader")
+        is_train = train if train is not None else host.dls.train is None
+        if host.collective.world_size > 1:
+            problem = shard_problem(dl)
+            if problem is not None:
+                raise ValueError(f"Run.loader: this loader cannot be sharded across processes: {problem}")
+            name = "train" if is_train else "valid"
+            engine.check_loader_agrees(host, dl, name, host.config.check_data)
+        if is_train:
+            host.dls.train = dl
+        elif host.dls.valid is None:
+            host.dls.valid = dl
+        return RunLoader(host, dl)
+
+    def epochs(self, n: int, *, resume: bool = False) -> Iterator[int]:
+        """The epochs `0 .. n-1`; with `resume=True` from the newest checkpoint's position (mid-epoch:
+        the training loader continues at the step after it). Checkpoints, preemption and the
+        non-finite check act between the batches and epochs of this loop.
+
+        >>> for epoch in run.epochs(10, resume=True): ...                  # doctest: +SKIP
+        """
+        host = self.host
+        self._require_setup("epochs")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"Run.epochs: n must be a non-negative int, got {n!r}")
+        host.n_epoch, host.start_epoch, host.start_iter = n, 0, 0
+        if resume:
+            if host.get_cb(Checkpoint) is None:
+                self.checkpoint()
+            learner_files.resume(host)  # no checkpoint yet: start fresh
+        assert host.opt is not None
+        host.opt.zero_grad(set_to_none=True)
+        with handling(host):  # preemption signals, handled while the epochs run
+            try:
+                host("before_fit")
+                for epoch in range(host.start_epoch, n):
+                    host.epoch = epoch
+                    try:
+                        host("before_epoch")
+                        yield epoch
+                    except CancelEpochException:
+                        host("after_cancel_epoch")
+                    host("after_epoch")
+            except CancelFitException:
+                host("after_cancel_fit")
+            host("after_fit")
+
+    def loss(self, value: Tensor, count: float | Tensor | None = None, *, reduction: str = "sum") -> Tensor:
+        """What to backpropagate for this batch's loss: `value` is the sum of `count` loss terms
+        (samples, tokens), and W processes then train exactly as one on the global batch, whatever
+        each rank's count. Per-item losses (`reduction="none"`) need no count; `reduction="mean"`
+        with `count` takes a mean. In evaluation it returns the batch's mean loss.
+
+        >>> loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))  # doctest: +SKIP
+        """
+        host = self.host
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Run.loss: give the loss as a tensor, got {type(value).__name__}")
+        if value.dim() > 0 and count is None:
+            value, count = value.sum(), value.numel()  # one term per element
+        if count is None:
+            raise ValueError(
+                "Run.loss(loss, count=...): a loss already averaged on each rank is not exact (it weighs "
+                "ranks, not items): pass the sum with count= (samples or tokens it sums), or per-item losses"
+            )
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f'Run.loss: reduction must be "sum" or "mean", got {reduction!r}')
+        count = float(count.item() if isinstance(count, Tensor) else count)
+        mean = value if reduction == "mean" else None
+        total = value if reduction == "sum" else value.nan_to_num(0.0) * count  # (an empty share: 0)
+        host.exact_loss.count_is_rows = False  # counted by the loop: summed over ranks at each step
+        engine.score(host, total, count, mean)
+        host("after_loss")
+        assert host.loss_grad is not None
+        return host.loss_grad
+
+    def backward(self, loss: Tensor) -> None:
+        """Backpropagate what `run.loss` returned; at the last batch of an optimizer step the
+        gradient becomes that of the global batch (every rank and accumulated batch)."""
+        host = self.host
+        if not host.training:
+            raise RuntimeError("Run.backward: not in a training pass (call model.train() before the loop)")
+        host.loss_grad = loss
+        host("before_backward")
+        engine.backward(host)
+        host("after_backward")
+
+    def checkpoint(
+        self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False
+    ) -> Path:
+        """Save a resumable checkpoint every `every` optimizer steps and at each epoch's end (atomic,
+        one writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
+        `run.epochs(n, resume=True)` continues from it. Returns the checkpoint's file.
+
+        >>> run.checkpoint(every=100)                                           # doctest: +SKIP
+        """
+        ckpt = self.host.get_cb(Checkpoint)
+        if ckpt is None:
+            ckpt = Checkpoint(every=every, fname=fname, keep_previous=keep_previous)
+            self.host.add_cb(ckpt)
+        elif every is not None and ckpt.every != every:
+            ckpt.every = Checkpoint(every=every).every  # (checked as the constructor checks it)
+        return ckpt.file
+
+    def gather(self, value: Any) -> Any:
+        """`value` (a tensor, or a tuple / list / dict of them, one row per item of this rank's batch)
+        from every rank, rows in data order, on every rank: each valid item once, padding never.
+
+        >>> preds = run.gather(model(x).argmax(1))                               # doctest: +SKIP
+        """
+        return map_tensors(lambda t: self.host.collective.gather_ordered(t), value)
+
+    def add_cb(self, cb: Callback) -> Run:
+        """Attach a unison callback: it runs at the events this loop reaches (`GradientClip`, ...)."""
+        self.host.add_cb(cb)
+        return self
+
+    # ---- where this process stands --------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.host.collective.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.host.collective.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes."""
+        return self.host.collective.is_main
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (batches are moved there)."""
+        return self.host.device
+
+    @property
+    def recorder(self) -> Any:
+        """Each epoch's `[train_loss, valid_loss]` over the global batch (`recorder.values`), and
+        each step's training loss (`recorder.losses`)."""
+        return self.host.recorder
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's model, without the strategy's wrapper (for saving, exporting)."""
+        return self.host.raw_model
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    # ---- the end ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unwrap the model and leave the process group this run made (idempotent)."""
+        if self._open:
+            self._open = False
+            engine.detach_strategy(self.host)
+        self._stack.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if isinstance(exc, Exception):
+                engine.name_stalled_rank(self.host, exc)
+        finally:
+            self.close()
+
+    def _require_setup(self, what: str) -> None:
+        if self.host.model is None:
+            raise RuntimeError(f"Run.{what}: call run.setup(model, opt) first")

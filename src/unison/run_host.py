@@ -1,0 +1,268 @@
+"""The own-loop `Run`'s side of the engine: `RunHost`, the state the strategies and callbacks see
+(what `unison.learner_view.LearnerView` names, as the `Learner` has it), `RunLoader`, which fires
+the batch events as your loop iterates, and `RunOptimizer`, which fires the step's.
+
+The `Run` (`unison.run`) is the API; this is what it drives. They are two objects so that the
+engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(...)`) never meet.
+
+>>> host = RunHost(ParallelConfig(), accumulate=1, path=Path("."), model_dir=Path("models"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+import unison.engine as engine
+from unison.callbacks.recorder import Recorder
+from unison.data.batch import to_device
+from unison.data.ranked import is_rank_sharded
+from unison.data.sharding import LoaderShards
+from unison.data.stream import loader_length
+from unison.distributed.collective import Collective
+from unison.distributed.strategy import ParallelConfig, Strategy
+from unison.events import (
+    Callback,
+    CancelBatchException,
+    CancelTrainException,
+    CancelValidException,
+)
+from unison.exact_loss import ExactLoss
+
+__all__ = ["RunHost", "RunLoader", "RunOptimizer"]
+
+
+class RunHost:
+    """What the engine, the strategy and the callbacks read and set while a `Run` trains."""
+
+    def __init__(self, config: ParallelConfig, accumulate: int, path: Path, model_dir: Path) -> None:
+        self.config, self.accumulate = config, accumulate
+        self.path, self.model_dir = path, model_dir
+        self.model: nn.Module | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.opt_func: Any = None
+        self.lr: Any = None
+        self.loss_func = None  # the loop computes the loss; `run.loss` receives it
+        self.metrics: list[Any] = []
+        self.dls = SimpleNamespace(train=None, valid=None)
+        self.call_model = lambda model, xb: model(*xb)
+        self.n_inp = 1
+        self.scaler: torch.amp.GradScaler | None = None
+        self.lr_finder = None
+        self.collective = Collective()
+        self.strategy: Strategy | None = None
+        self.exact_loss = ExactLoss()
+        self._shards = LoaderShards()
+        self._data_seed = torch.initial_seed() % 2**63  # rank 0's, once a strategy joins
+        self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
+        self.pct_train = 0.0
+        self.training = False
+        self.start_epoch, self.start_iter = 0, 0
+        self.stream_resume_state: dict[str, Any] | None = None
+        self.dl: Any = None
+        self.xb: tuple[Any, ...] = ()
+        self.yb: tuple[Any, ...] = ()
+        self._padded_xb: tuple[Any, ...] = ()
+        self._empty_share = False
+        self.pred: Any = None
+        self.loss: Tensor | None = None
+        self.loss_grad: Tensor | None = None
+        self.loss_count = 0.0
+        self.score = self.record_metrics = True
+        self.grad_sync = True
+        self.cbs: list[Callback] = []
+        self.recorder = Recorder(print_table=False)
+        self.in_batch = False  # a batch was yielded and its after_batch has not run yet
+
+    @property
+    def device(self) -> torch.device:
+        param = next(self.model.parameters(), None) if self.model is not None else None
+        return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def raw_model(self) -> nn.Module:
+        assert self.model is not None
+        return engine.unwrap_model(self.model)
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.strategy.checkpoint_format if self.strategy is not None else "file"
+
+    @property
+    def data_seed(self) -> int:
+        return self._data_seed
+
+    @data_seed.setter
+    def data_seed(self, seed: int) -> None:
+        self._data_seed = seed
+        self._shards.clear()
+
+    def set_collective(self, collective: Collective) -> None:
+        self.collective = collective
+        self._shards.clear()
+
+    def create_opt(self) -> None:
+        raise RuntimeError("Run: the optimizer comes from run.setup(model, opt)")
+
+    def add_cb(self, cb: Callback) -> RunHost:
+        cb.learn = self  # type: ignore[assignment]
+        self.cbs.append(cb)
+        self.cbs.sort(key=lambda c: c.order)
+        return self
+
+    def add_cbs(self, cbs: Iterable[Callback]) -> RunHost:
+        for cb in cbs:
+            self.add_cb(cb)
+        return self
+
+    def remove_cb(self, cb: Callback) -> RunHost:
+        if cb in self.cbs:
+            self.cbs.remove(cb)
+        return self
+
+    def get_cb(self, cls: type) -> Any:
+        return next((c for c in self.cbs if isinstance(c, cls)), None)
+
+    def __call__(self, event: str) -> None:
+        for cb in list(self.cbs):
+            handler = getattr(cb, event, None)
+            if handler is not None:
+                handler()
+
+
+class RunLoader:
+    """One pass over this rank's share of a loader per `iter()`: a training pass while the model is
+    in train mode (the epoch's order, no item twice, resumed mid-epoch), else an evaluation pass.
+    Yields each batch on the model's device with padding rows removed; fires the batch events."""
+
+    def __init__(self, host: RunHost, dl: DataLoader) -> None:
+        self.host, self.dl = host, dl
+
+    def __len__(self) -> int:
+        host = self.host
+        return loader_length(engine.shard_loader(host, self.dl, pad=False)) or 0
+
+    def __iter__(self) -> Iterator[Any]:
+        host = self.host
+        assert host.model is not None
+        training = host.model.training
+        dl = engine.shard_loader(host, self.dl, pad=not training)
+        host.dl, host.training = dl, training
+        host.n_iter = loader_length(dl) or 0
+        start = 0
+        if training and host.epoch == host.start_epoch and host.start_iter:
+            start, host.start_iter = host.start_iter, 0
+            if is_rank_sharded(dl):
+                dl.set_start(start)  # skip consumed batches without loading them
+                dl.load_state_dict(host.stream_resume_state)
+        if training:
+            host.exact_loss.start_epoch(getattr(dl, "batch_size", None))
+        phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
+        device = host.device
+        try:
+            host(f"before_{phase}")
+            for i, batch in enumerate(dl, start=start):
+                host.iter = i
+                if training:
+                    host.train_iter = host.epoch * host.n_iter + i
+                    last = i + 1 == host.n_iter
+                    host.grad_sync = (i + 1) % host.accumulate == 0 or last
+                batch, empty, padded = engine.trim_padding(
+                    host, to_device(batch, device, non_blocking=True), i
+                )
+                host.xb, host.yb, host._padded_xb, host._empty_share = (batch,), (), (padded,), empty
+                host.pred = host.loss = host.loss_grad = None
+                host.loss_count = 0.0
+                try:
+                    host("before_batch")
+                except CancelBatchException:
+                    self._end_batch(cancelled=True)
+                    continue
+                host.in_batch = True
+                yield host.xb[0]  # (as a callback left it: float64 under check-exact)
+                self._end_batch(cancelled=False)
+        except cancel:
+            host(f"after_cancel_{phase}")
+        except GeneratorExit:  # the loop broke out: leave DDP's no_sync, nothing else
+            if host.strategy is not None and hasattr(host.strategy, "after_batch"):
+                host.strategy.after_batch()
+            host.grad_sync, host.in_batch = True, False
+            raise
+        host.grad_sync = True
+        host(f"after_{phase}")
+
+    def _end_batch(self, cancelled: bool) -> None:
+        host = self.host
+        host.in_batch = False
+        try:
+            if cancelled or getattr(host, "_batch_cancelled", False):
+                host("after_cancel_batch")
+            host("after_batch")
+        finally:
+            host._batch_cancelled = False  # type: ignore[attr-defined]
+
+
+class RunOptimizer(torch.optim.Optimizer):
+    """The optimizer `Run.setup` returns: the real one (FSDP2 rebuilds it over the shards), whose
+    `step` fires the step's events and is skipped on accumulation micro-steps, as `zero_grad` is.
+    Everything else (`param_groups`, `state_dict`, LR schedulers) is the real optimizer's."""
+
+    def __init__(self, host: RunHost) -> None:  # (torch's __init__ would make a second param list)
+        self._host = host
+        self._stepped = False  # an optimizer step was taken since the last zero_grad
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        assert self._host.opt is not None
+        return self._host.opt
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        host = self._host
+        if not host.training:
+            self.optimizer.step()
+            return
+        if not host.grad_sync:
+            return  # an accumulation micro-step: the gradients add up until the step's last batch
+        self._stepped = True  # (also when skipped: that step's gradients are done with)
+        try:
+            host("before_step")
+            engine.optimizer_step(host)
+            host("after_step")
+        except CancelBatchException:  # a skipped step (on_nonfinite="skip"): after_batch still runs
+            host._batch_cancelled = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients of the step just taken. In training, a call before the step's last
+        batch is a no-op, whether it comes after `step()` or before the next backward: the
+        accumulated gradients of a step in progress are never lost."""
+        if self._host.training and not self._stepped:
+            return
+        self._stepped = False
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"RunOptimizer({self.optimizer!r})"

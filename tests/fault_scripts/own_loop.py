@@ -1,0 +1,60 @@
+"""An own loop on `unison.Run` that can be killed or preempted on cue (tests/test_run_launch.py).
+
+unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --kill-rank 1 --at 5
+unison launch --nproc 2 own_loop.py --dir D --wait-at 5        # then SIGTERM: exit 75, checkpointed
+python own_loop.py --dir D --bs 16                               # the uninterrupted one-process run
+
+Trains a BatchNorm MLP with AdamW in float64, sequential order, 2 epochs of 6 steps of a global
+batch of 16 (on W processes `--bs 16/W`), a checkpoint after every step, resumed with `resume=True`;
+rank 0 saves the final weights to D/final.pt.
+"""
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Run, set_seed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dir", required=True)
+parser.add_argument("--bs", type=int, default=8, help="per process")
+parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt only)")
+parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting and sleep at this step")
+parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
+args = parser.parse_args()
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+set_seed(0)
+g = torch.Generator().manual_seed(1)
+x = torch.randn(96, 6, generator=g, dtype=torch.float64)
+y = (x[:, 0] > 0).long()
+model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)).double()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+with Run(path=args.dir) as run:
+    model, opt = run.setup(model, opt)
+    train = run.loader(DataLoader(TensorDataset(x, y), batch_size=args.bs))
+    run.checkpoint(every=1)
+    step = 0
+    for _ in run.epochs(2, resume=True):
+        model.train()
+        for xb, yb in train:
+            loss = run.loss(F.cross_entropy(model(xb), yb, reduction="sum"), count=len(yb))
+            run.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == args.at and first_attempt and run.rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.wait_at and first_attempt:
+                Path(args.dir, "waiting").write_text(str(run.rank))
+                time.sleep(2)  # the signal comes now; the step boundary then checkpoints and stops
+    if run.is_main:
+        torch.save(run.model.state_dict(), Path(args.dir) / "final.pt")

@@ -1,0 +1,95 @@
+"""`unison.Run` under the real launcher: a SIGKILLed rank resumes mid-epoch to the weights of the plain
+one-process loop written here, a SIGTERM checkpoints and exits 75 and the resumed job ends there too,
+and `unison check-exact` works on an own loop."""
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytestmark = pytest.mark.slow  # real processes: launches, kills
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "fault_scripts" / "own_loop.py"
+TOL = 1e-9  # float64 rounding, amplified by AdamW (see tests/test_run.py)
+
+
+def plain_loop() -> dict[str, torch.Tensor]:
+    """What tests/fault_scripts/own_loop.py trains, in one process without unison (global batch 16)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        for b in range(math.ceil(96 / 16)):
+            xb, yb = x[b * 16 : (b + 1) * 16], y[b * 16 : (b + 1) * 16]
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    return model.state_dict()
+
+
+def launch(
+    tmp_path: Path, launch_args: tuple[str, ...], *script_args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", *launch_args, str(SCRIPT)]
+    cmd += ["--dir", str(tmp_path), *script_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def final_diff(tmp_path: Path) -> float:
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    expected = plain_loop()
+    return max(float((got[k] - expected[k]).abs().max()) for k in expected)
+
+
+def test_a_sigkilled_rank_resumes_mid_epoch_to_the_plain_loops_weights(tmp_path: Path) -> None:
+    proc = launch(tmp_path, ("--max-restarts", "1"), "--bs", "8", "--kill-rank", "1", "--at", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart" in proc.stderr.lower()  # it did die and come back
+    assert final_diff(tmp_path) < TOL
+
+
+def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weights(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [*cmd, "--bs", "8", "--wait-at", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "waiting").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the script never reached step 3"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    # at the step boundary where the ranks next compare notes (about every 0.5 s), or the epoch's end
+    stopped = r"preempted by SIGTERM: every rank stopped (in epoch \d, after step \d|at the end of epoch \d)"
+    assert re.search(stopped + r"; checkpoint written to", err), err
+    assert not (tmp_path / "final.pt").exists()
+    (tmp_path / "waiting").unlink()
+    again = launch(tmp_path, (), "--bs", "8")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert final_diff(tmp_path) < TOL
+
+
+def test_the_uninterrupted_one_process_run_is_the_plain_loop(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--bs", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_diff(tmp_path) < TOL

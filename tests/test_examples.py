@@ -58,3 +58,17 @@ def test_make_demo_trains_on_one_then_two_processes_and_they_agree(tmp_path):
     )
     assert max(float((one_w[k].float() - two_w[k].float()).abs().max()) for k in one_w) < 1e-4
     assert (tmp_path / "runs" / "demo" / "agree.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(600)
+def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
+    """examples/own_loop.py (digits CNN, BatchNorm, AdamW, written on `unison.Run`): `unison check-exact`
+    runs 3 steps on 1 process at batch 64 and on 2 at batch 32; float64 agrees to rounding."""
+    cmd = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", "3", "--float64"]
+    cmd += ["--batch-arg", "bs", str(ROOT / "examples" / "own_loop.py"), "--bs", "64", "--epochs", "1"]
+    proc = subprocess.run([*cmd, "--out", "out"], capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compared after 3 optimizer step(s), global batch 64" in proc.stdout
+    assert "verdict: exact to float noise: in float64, 2 processes agree with 1" in proc.stdout
+    worst = float(re.search(r"float64:\n  weights: max \|dw\| (\S+);", proc.stdout).group(1))
+    assert worst < 1e-13

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import unison
 
-parser = argparse.ArgumentParser(description="Small CNN on scikit-learn's digits, in an own loop on unison.Run.")
+parser = argparse.ArgumentParser(description="The digits CNN in an own loop on unison.Run.")
 parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--bs", type=int, default=64, help="batch size per process")
@@ -67,7 +67,7 @@ with unison.Run(path=args.out) as run:  # a plain run here, data-parallel under 
         with torch.no_grad():
             for xb, yb in valid:
                 out = model(xb)
-                run.loss(F.cross_entropy(out, yb, reduction="sum"), count=len(yb))  # the recorder's valid_loss
+                run.loss(F.cross_entropy(out, yb, reduction="sum"), count=len(yb))  # recorder: valid_loss
                 preds, targets = run.gather((out.argmax(1), yb))  # every item once, in order, on every rank
                 correct += float((preds == targets).sum())
                 total += len(targets)

@@ -25,8 +25,12 @@ from torch import Tensor, nn
 
 from unison.data.batch import batch_size_of, split_batch, take_rows, to_device
 from unison.data.ranked import is_rank_sharded
+from unison.data.sharding import LoaderShards
+from unison.data.stream import loader_length
+from unison.distributed.collective import Collective
 from unison.distributed.joining import check_loaders_agree
 from unison.distributed.strategy import ParallelConfig, Strategy, make_strategy
+from unison.exact_loss import ExactLoss
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -35,9 +39,11 @@ __all__ = [
     "ParallelConfig",
     "attach_strategy",
     "backward",
+    "begin_pass",
     "check_loader_agrees",
     "detach_parallel",
     "detach_strategy",
+    "init_loop_state",
     "name_stalled_rank",
     "optimizer_step",
     "prepare_batch",
@@ -47,6 +53,34 @@ __all__ = [
     "trim_padding",
     "unwrap_model",
 ]
+
+
+# ---- the state both loops start with -----------------------------------------------------------
+def init_loop_state(host: Any) -> None:
+    """Give `host` the loop's state as the engine, strategies and callbacks read it (the names of
+    `unison.learner_view.LearnerView`), before anything ran: one process, no batch, no strategy."""
+    host.opt = None
+    host.scaler = None  # set by MixedPrecision("fp16")
+    # The data order of every epoch is a function of this seed (see DistributedDL), rank 0's in a job.
+    host._data_seed = torch.initial_seed() % 2**63
+    host.collective = Collective()
+    host.strategy = None  # DDP, FSDP2 or torchft while one is attached
+    host.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
+    host._shards = LoaderShards()  # each loader's sharded form, kept across epochs
+    host.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
+    host.record_metrics = host.score = True  # score False: forward passes only (get_preds)
+    host.start_epoch = host.start_iter = 0
+    host.stream_resume_state = None  # set by Checkpoint for a stateful stream
+    host.epoch = host.n_epoch = host.iter = host.n_iter = host.train_iter = 0
+    host.pct_train = 0.0
+    host.training = False
+    host.dl = None
+    host.xb, host.yb, host._padded_xb = (), (), ()
+    host._empty_share = False
+    host.pred = host.loss = host.loss_grad = None
+    host.loss_count = 0.0  # the loss terms (samples, tokens) of this rank's batch
+    host.lr_finder = None  # set by lr_find
+    host.cbs = []
 
 
 # ---- the strategy ------------------------------------------------------------------------------
@@ -136,6 +170,27 @@ def shard_loader(
     `pad=False` in training (exactly the set's items, none twice), True in evaluation."""
     shards, c = host._shards, host.collective
     return shards.get(dl, pad, c, host.epoch, host.data_seed, steps_per_epoch, split)
+
+
+def begin_pass(
+    host: LearnerView, dl: Any, training: bool, steps_per_epoch: int | None = None, split: str = "exact"
+) -> int:
+    """Start a pass over `dl`: `host.dl` becomes this rank's share of it (training: exactly the set's
+    items; evaluation: padded, the padding trimmed later), `host.n_iter` its length (0: a stream of
+    unknown length), and a training pass resumed mid-epoch starts at the checkpoint's step, which
+    is returned (the batches before it are skipped without being loaded)."""
+    host.dl = shard_loader(host, dl, pad=not training, steps_per_epoch=steps_per_epoch, split=split)
+    host.training = training
+    host.n_iter = loader_length(host.dl) or 0
+    if not training:
+        return 0
+    host.exact_loss.start_epoch(getattr(host.dl, "batch_size", None))
+    start = host.start_iter if host.epoch == host.start_epoch else 0
+    host.start_iter = 0
+    if start and is_rank_sharded(host.dl):
+        host.dl.set_start(start)
+        host.dl.load_state_dict(host.stream_resume_state)  # a stateful stream continues itself
+    return start
 
 
 def check_loader_agrees(host: LearnerView, dl: Any, name: str, check_data: bool = True) -> None:

@@ -7,6 +7,8 @@ Callbacks read and change the learner's state through `self.learn`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -92,3 +94,46 @@ class Callback:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(order={self.order})"
+
+
+def attach_callback(host: Any, cb: Callback | type[Callback]) -> Callback:
+    """Attach `cb` (an instance, or a class to instantiate with no arguments) to `host`'s callbacks,
+    kept sorted by `order`: what `Learner.add_cb` and the own-loop `Run` do.
+
+    >>> cb = attach_callback(learn, EarlyStopping)                         # doctest: +SKIP
+    """
+    if isinstance(cb, type):
+        cb = cb()
+    if not isinstance(cb, Callback):
+        raise TypeError(f"add_cb: {cb!r} is not a unison Callback")
+    cb.learn = host
+    host.cbs.append(cb)
+    host.cbs.sort(key=lambda c: c.order)
+    return cb
+
+
+def fire(cbs: list[Callback], event: str) -> None:
+    """Call `event` on every callback of `cbs` that handles it, in order (a copy: one may detach)."""
+    for cb in list(cbs):
+        handler = getattr(cb, event, None)
+        if handler is not None:
+            handler()
+
+
+def detach_callback(host: Any, cb: Callback | type[Callback]) -> None:
+    """Detach a callback instance, or every callback of a class, from `host`."""
+    if isinstance(cb, type):
+        host.cbs = [c for c in host.cbs if not isinstance(c, cb)]
+    elif cb in host.cbs:
+        host.cbs.remove(cb)
+
+
+@contextlib.contextmanager
+def attached_callbacks(host: Any, cbs: Iterable[Callback | type[Callback]]) -> Iterator[None]:
+    """Callbacks attached to `host` for the duration of a `with` block."""
+    added = [attach_callback(host, cb) for cb in cbs]
+    try:
+        yield
+    finally:
+        for cb in added:
+            detach_callback(host, cb)

@@ -13,23 +13,11 @@
       after_fit
 
 A `Cancel*Exception` raised by a callback ends that stage early; `after_cancel_<stage>`
-then `after_<stage>` still run. Distribution enters through two seams only: the
-`Collective` (identity on one process) that shards loaders and reduces metric
-state, and the model wrapper `DistributedTrainer` installs.
-
-Any batch: a batch is split into inputs `xb` and targets `yb` by `split_batch` (a dict
-batch is one input, passed as keyword arguments by `call_model`). Padding rows a
-sharded loader added are trimmed from the inputs before the forward pass, so no loss
-or metric, wherever it is computed, ever counts them. Every loss is read as a sum and
-a count (`unison.losses.SummedLoss`), and gradients are divided by the global count of
-the optimizer step, so W processes (and gradient accumulation) equal one process.
-
-Long on purpose (about 580 lines): this class is the public API's home (fastai's Learner
-surface: fit, validate, get_preds, save, load, the parallel and distributed contexts, ...).
-What is not the loop itself is a one-line door to the module that does the work:
-`unison.optim` (param-group LRs), `unison.checkpoint.learner_files` (save, load, resume),
-`unison.distributed.contexts` (to_distributed, distrib_ctx), `unison.predictions`,
-`unison.data.sharding`, `unison.learner_checks` and `unison.callbacks.defaults`.
+then `after_<stage>` still run. The learner is one client of `unison.engine` (the own-loop
+`unison.Run` is the other): the strategy `distrib_ctx` attaches (DDP, FSDP2, torchft), each
+loader's rank share, a batch's padding trimmed from its inputs, every loss read as a sum and a
+count and the step's gradient divided by the global count, so W processes equal one process.
+The rest is a one-line door: `unison.optim`, `unison.checkpoint.learner_files`, `unison.predictions`.
 """
 
 from __future__ import annotations
@@ -49,19 +37,17 @@ from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode
 from unison.callbacks.preemption import OnPreempt, handling
 from unison.callbacks.recorder import Recorder
-from unison.callbacks.schedule import LRFinder, OneCycleScheduler, lr_find
+from unison.callbacks.schedule import OneCycleScheduler, lr_find
 from unison.checkpoint import learner_files
 from unison.data.batch import (
     DataLoaders,
     call_model,
     take_rows,
 )
-from unison.data.checks import refuse_empty_train
-from unison.data.ranked import RankShardedLoader, is_rank_sharded
-from unison.data.sharding import LoaderShards
-from unison.data.stream import check_stream_split, loader_length
+from unison.data.ranked import RankShardedLoader
+from unison.data.stream import check_stream_split
 from unison.distributed.collective import Collective
-from unison.distributed.strategy import ParallelConfig, Strategy
+from unison.distributed.strategy import ParallelConfig
 from unison.events import (
     Callback,
     CancelBatchException,
@@ -69,13 +55,16 @@ from unison.events import (
     CancelFitException,
     CancelTrainException,
     CancelValidException,
+    attach_callback,
+    attached_callbacks,
+    detach_callback,
+    fire,
 )
-from unison.exact_loss import ExactLoss
-from unison.learner_checks import check_devices, check_learner_args, refuse_unknown_length
+from unison.learner_checks import check_devices, check_fit_args, check_learner_args
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.optim import apply_lr, check_lr, group_lrs, make_optimizer
-from unison.predictions import PredsCollector, check_per_item_loss, predict_item
+from unison.predictions import collect_preds, predict_item
 
 
 class Learner:
@@ -87,13 +76,11 @@ class Learner:
     ...     learn.fit_one_cycle(3)
     >>> valid_loss, acc = learn.validate()
 
-    `loss_func=None` uses the model's own loss; `splitter` makes param groups;
-    `call_model(model, xb)` is how inputs reach the model; `compile=True` (or a dict of
-    `torch.compile` options) compiles the model. `steps_per_epoch` bounds a training epoch
-    over a stream (an `IterableDataset`) and gives its length when the dataset has no `len()`;
-    `stream_split="by_node"` lets a Hugging Face stream read 1/W of itself per rank (not exact).
-    `on_preempt`: on SIGTERM / SIGUSR1 every rank stops at one step, checkpointed, exit status 75
-    ("requeue" also requeues a SLURM job; None: Python's default action; `unison.callbacks.preemption`).
+    `loss_func=None`: the model's own loss; `splitter` makes param groups; `call_model(model, xb)`:
+    how inputs reach the model; `compile=True` (or `torch.compile` options). `steps_per_epoch` bounds
+    a training epoch over a stream; `stream_split="by_node"`: a Hugging Face stream reads 1/W per rank
+    (not exact). `on_preempt`: SIGTERM / SIGUSR1 stop every rank at one step, checkpointed, exit 75
+    ("requeue": also requeue the SLURM job; None: Python's default; `unison.callbacks.preemption`).
     """
 
     def __init__(
@@ -133,60 +120,26 @@ class Learner:
         self.path = Path(path)
         self.model_dir = Path(model_dir)
         self.n_inp = n_inp
-        self.opt: torch.optim.Optimizer | None = None
-        self.scaler: torch.amp.GradScaler | None = None  # set by MixedPrecision("fp16")
-        # The data order of every epoch is a function of this seed (see DistributedDL).
-        self._data_seed = torch.initial_seed() % 2**63
-        self.collective = Collective()
-        self.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
-        self.record_metrics = True
-        self.start_epoch, self.start_iter = 0, 0
-        self.stream_resume_state: dict[str, Any] | None = None  # set by Checkpoint for a stateful stream
-        self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
-        self.pct_train = 0.0
-        self.training = False
-        self.dl: RankShardedLoader | DataLoader | None = None
-        self.xb: tuple[Any, ...] = ()
-        self.yb: tuple[Any, ...] = ()
-        self.pred: Any = None
-        self.loss: Tensor | None = None
-        self.loss_grad: Tensor | None = None
-        self.loss_count: float = 0.0  # the loss terms (samples, tokens) of this rank's batch
-        self.score = True  # False in get_preds: forward passes only, no loss
-        self.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
-        self.strategy: Strategy | None = None  # DDP, FSDP2 or torchft, inside distrib_ctx (unison.engine)
-        self._shards = LoaderShards()  # each loader's sharded form, kept across epochs
-        self.lr_finder: LRFinder | None = None  # set by lr_find
-        self.cbs: list[Callback] = []
+        engine.init_loop_state(self)  # opt, collective, strategy, epoch, iter, xb, yb, loss, cbs, ...
         self.recorder = Recorder()
         if default_cbs:  # recorder, progress bars, non-finite check, preemption (callbacks/defaults.py)
             self.add_cbs(default_callbacks(self.recorder, on_nonfinite, on_preempt))
         self.add_cbs(cbs)
         attach_if_checking(self)  # only under `unison check-exact`: records the first steps
 
-    # ---- callbacks -------------------------------------------------------------------
     def add_cb(self, cb: Callback | type[Callback]) -> Learner:
         """Attach a callback (an instance, or a class to instantiate with no arguments)."""
-        if isinstance(cb, type):
-            cb = cb()
-        if not isinstance(cb, Callback):
-            raise TypeError(f"add_cb: {cb!r} is not a unison Callback")
-        cb.learn = self
-        self.cbs.append(cb)
-        self.cbs.sort(key=lambda c: c.order)
+        attach_callback(self, cb)
         return self
 
     def add_cbs(self, cbs: Iterable[Callback | type[Callback]]) -> Learner:
         for cb in cbs:
-            self.add_cb(cb)
+            attach_callback(self, cb)
         return self
 
     def remove_cb(self, cb: Callback | type[Callback]) -> Learner:
         """Detach a callback instance, or every callback of a class."""
-        if isinstance(cb, type):
-            self.cbs = [c for c in self.cbs if not isinstance(c, cb)]
-        elif cb in self.cbs:
-            self.cbs.remove(cb)
+        detach_callback(self, cb)
         return self
 
     def get_cb(self, cls: type[Callback]) -> Callback | None:
@@ -196,19 +149,11 @@ class Learner:
     @contextlib.contextmanager
     def added_cbs(self, cbs: Iterable[Callback | type[Callback]]) -> Iterator[Learner]:
         """Callbacks attached for the duration of a `with` block."""
-        added = [c() if isinstance(c, type) else c for c in cbs]
-        self.add_cbs(added)
-        try:
+        with attached_callbacks(self, cbs):
             yield self
-        finally:
-            for c in added:
-                self.remove_cb(c)
 
     def __call__(self, event: str) -> None:
-        for cb in list(self.cbs):
-            handler = getattr(cb, event, None)
-            if handler is not None:
-                handler()
+        fire(self.cbs, event)
 
     def _with_events(self, body: Callable[[], None], stage: str, cancel: type[Exception]) -> None:
         try:
@@ -226,28 +171,19 @@ class Learner:
         cbs: Iterable[Callback] = (),
         resume: bool = False,
     ) -> None:
-        """Train for `n_epoch` epochs, validating after each.
-
-        `lr` sets every param group's LR keeping their ratios (a float), spreads them
-        geometrically (`slice(lo, hi)`), or gives one per group (a list).
+        """Train for `n_epoch` epochs, validating after each. `lr`: every param group's LR keeping their
+        ratios (a float), spread geometrically (`slice(lo, hi)`), or one per group (a list).
         `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote.
 
         >>> learn.fit(3, lr=1e-3)
         """
-        if not isinstance(n_epoch, int) or isinstance(n_epoch, bool) or n_epoch < 0:
-            raise ValueError(f"fit: n_epoch must be a non-negative int, got {n_epoch!r}")
-        if lr is not None:
-            check_lr(lr)
-        refuse_empty_train(self.dls.train)
-        if any(isinstance(cb, OneCycleScheduler) for cb in [*self.cbs, *cbs]):
-            refuse_unknown_length(self.dls.train, self.steps_per_epoch)
+        check_fit_args(self, n_epoch, lr, cbs)
         with self.added_cbs(cbs), handling(self):  # preemption signals, handled while fit runs
             if self.opt is None:
                 self.create_opt()
             if lr is not None:
                 self.set_lr(lr)
-            self.n_epoch = n_epoch
-            self.start_epoch, self.start_iter = 0, 0
+            self.n_epoch, self.start_epoch, self.start_iter = n_epoch, 0, 0
             if resume:
                 learner_files.resume(self)
             assert self.opt is not None
@@ -266,9 +202,7 @@ class Learner:
         resume: bool = False,
     ) -> None:
         """`fit` with the one-cycle policy: LR warms up to `lr_max` then anneals; momentum mirrors it.
-
-        Each param group follows its own cycle: `lr_max` as in `fit(lr=...)`, e.g.
-        `slice(1e-5, 1e-3)` for discriminative LRs (the body slower than the head).
+        Each param group follows its own cycle: `lr_max` as in `fit(lr=...)` (`slice(1e-5, 1e-3)`).
 
         >>> learn.fit_one_cycle(5, lr_max=3e-3)
         """
@@ -295,9 +229,7 @@ class Learner:
         self._do_epoch_validate()
 
     def _do_epoch_train(self) -> None:
-        self.dl = self._shard(self.dls.train, pad=False)  # exactly the set's items, none twice
-        self.exact_loss.start_epoch(getattr(self.dl, "batch_size", None))
-        self.training = True
+        self._start = engine.begin_pass(self, self.dls.train, True, self.steps_per_epoch, self.stream_split)
         self.model.train()
         self._with_events(self._all_batches, "train", CancelTrainException)
 
@@ -305,25 +237,16 @@ class Learner:
         dl = dl if dl is not None else self.dls.valid
         if dl is None:
             return
-        self.dl = self._shard(dl)
-        self.training = False
+        self._start = engine.begin_pass(self, dl, False)
         self.model.eval()
         with torch.no_grad():
             self._with_events(self._all_batches, "validate", CancelValidException)
 
     def _all_batches(self) -> None:
         assert self.dl is not None
-        self.n_iter = loader_length(self.dl) or 0  # 0: a stream of unknown length
         self._device = self.device
         self._devices_checked = False
-        start = 0
-        if self.training and self.epoch == self.start_epoch and self.start_iter:
-            start = self.start_iter
-            if is_rank_sharded(self.dl):
-                self.dl.set_start(start)  # skip consumed batches without loading them
-                self.dl.load_state_dict(self.stream_resume_state)  # a stateful stream continues itself
-            self.start_iter = 0
-        for i, batch in enumerate(self.dl, start=start):
+        for i, batch in enumerate(self.dl, start=self._start):
             self.iter = i
             if self.training:
                 self.train_iter = self.epoch * self.n_iter + self.iter
@@ -354,12 +277,7 @@ class Learner:
         self("before_step")
         engine.optimizer_step(self)
         self("after_step")
-        assert self.opt is not None
-        self.opt.zero_grad(set_to_none=True)
-
-    def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
-        """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""
-        return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
+        self.opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]  (fit made it)
 
     @property
     def data_seed(self) -> int:
@@ -371,18 +289,19 @@ class Learner:
         self._data_seed = seed
         self._shards.clear()
 
+    def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
+        """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""
+        return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
+
     def set_collective(self, collective: Collective) -> None:
-        """Use `collective` for sharding and reductions (`DistributedTrainer` calls this)."""
+        """Use `collective` for sharding and reductions (a strategy calls this)."""
         self.collective = collective
         self._shards.clear()
 
     # ---- evaluation ------------------------------------------------------------------
     def validate(self, dl: DataLoader | None = None) -> list[float]:
-        """`[valid_loss, *metric_values]` over the whole of `dl` (default: the valid loader).
-
-        Exact on any number of processes: padding is never scored and metric state,
-        not per-batch averages, is reduced.
-        """
+        """`[valid_loss, *metric_values]` over the whole of `dl` (default: the valid loader); exact on
+        any number of processes (padding never scored; metric state, not batch averages, reduced)."""
         with self.added_cbs([] if self.recorder in self.cbs else [self.recorder]):
             self._do_epoch_validate(dl)
         return list(self.recorder.last_valid)
@@ -391,32 +310,18 @@ class Learner:
         self, dl: DataLoader | None = None, with_loss: bool = False, pad_value: float = -100
     ) -> tuple[Any, ...]:
         """`(preds, targets)` for every sample of `dl` exactly once, in the loader's order, on every rank.
-
-        `preds` keeps the model's output structure (a tensor, tuple, dict or `ModelOutput`,
-        each per-sample field joined; a batch's scalar `loss` becomes None). Targets are
-        None for an unlabelled loader. Variable-length outputs are padded with `pad_value`.
-        No loss is computed, unless `with_loss=True`: then `(preds, targets, losses)`, one
-        loss per item from `loss_func` with `reduction="none"`.
+        `preds` keeps the model's output structure (tensor, tuple, dict, `ModelOutput`; a batch's scalar
+        `loss` becomes None); targets are None for an unlabelled loader; variable-length outputs are
+        padded with `pad_value`. `with_loss=True`: `(preds, targets, losses)`, `reduction="none"`'s.
 
         >>> logits, labels = learn.get_preds()
         >>> out, _ = hf_learn.get_preds(); out.logits.shape     # doctest: +SKIP
         """
-        if with_loss:
-            check_per_item_loss(self.loss_func)
-        collector = PredsCollector(with_loss)
-        self.record_metrics, self.score = False, False
-        last_valid = self.recorder.last_valid
-        try:
-            with self.added_cbs([collector]):
-                self._do_epoch_validate(dl)
-        finally:
-            self.record_metrics, self.score = True, True
-            self.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
-        return collector.gathered(self.collective, pad_value)
+        return collect_preds(self, lambda: self._do_epoch_validate(dl), with_loss, pad_value)
 
     def predict(self, item: Any, batched: bool = False) -> Any:
-        """The model's output for one dataset item (collated as the loaders do), or for a small
-        batch with `batched=True`; on this process only, in eval mode, without gradients.
+        """The model's output for one dataset item (collated as the loaders do), or a small batch
+        (`batched=True`); on this process only, in eval mode, without gradients.
 
         >>> learn.predict(valid_ds[0])           # one item: no batch dimension
         >>> learn.predict(xb, batched=True)      # a batch as a loader yields it
@@ -442,10 +347,8 @@ class Learner:
         return engine.unwrap_model(self.model)
 
     def create_opt(self) -> torch.optim.Optimizer:
-        """`opt_func(params, lr=...)`, with one param group per part of `splitter(model)` if given.
-
-        The ratios between the groups' LRs (set by `opt_func` itself or by `lr=slice(...)`)
-        are kept by `fit(lr=...)` and by every scheduler."""
+        """`opt_func(params, lr=...)`, one param group per part of `splitter(model)` if given; the
+        ratios of the groups' LRs are kept by `fit(lr=...)` and by every scheduler."""
         self.opt, self._lr_ratios = make_optimizer(
             self.model, self.raw_model, self.opt_func, self.lr, self.splitter
         )
@@ -500,11 +403,9 @@ class Learner:
     @contextlib.contextmanager
     def parallel_ctx(self, device_ids: Sequence[int] | None = None) -> Iterator[Learner]:
         """`to_parallel` for the duration of a `with` block."""
-        self.to_parallel(device_ids)
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.to_parallel(device_ids).detach_parallel)
             yield self
-        finally:
-            self.detach_parallel()
 
     def to_distributed(
         self,
@@ -515,11 +416,9 @@ class Learner:
         shard: bool = False,
         **ddp_kwargs: Any,
     ) -> Learner:
-        """Train data-parallel across the processes of a launch (joins or makes the process group).
-
-        `backend="gloo"` trains on the CPU even where CUDA is available. `shard=True` shards
-        weights, gradients and optimizer state (FSDP2, see `ShardedTrainer`, whose options
-        `ddp_kwargs` then are).
+        """Train data-parallel across the processes of a launch (joins or makes the process group), with
+        the strategy `unison.distributed.strategy.ParallelConfig` makes of the arguments: DDP, FSDP2
+        (`shard=True`: `ddp_kwargs` are `ShardedTrainer`'s), torchft (`fault_tolerant=True`).
 
         >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
         """
@@ -534,22 +433,14 @@ class Learner:
         return self
 
     @contextlib.contextmanager
-    def distrib_ctx(
-        self,
-        cuda_id: int | None = None,
-        sync_bn: bool = True,
-        timeout: float | None = None,
-        backend: str | None = None,
-        shard: bool = False,
-        **ddp_kwargs: Any,
-    ) -> Iterator[Learner]:
-        """`to_distributed` for the duration of a `with` block; a plain run outside a launch.
-        A collective that failed because another rank stopped raises `RankStalledError` naming it.
+    def distrib_ctx(self, *args: Any, **kwargs: Any) -> Iterator[Learner]:
+        """`to_distributed(*args, **kwargs)` for the duration of a `with` block; a plain run outside a
+        launch. A collective that failed because another rank stopped raises `RankStalledError` naming it.
 
         >>> with learn.distrib_ctx():          # or distrib_ctx(shard=True): FSDP2
         ...     learn.fit(3)
         """
-        self.to_distributed(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
+        self.to_distributed(*args, **kwargs)
         try:
             yield self
         except Exception as exc:

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from unison.callbacks.schedule import OneCycleScheduler
 from unison.data.batch import DataLoaders, tensors_in
+from unison.data.checks import refuse_empty_train
 from unison.data.stream import loader_length
 from unison.optim import check_lr
 
@@ -65,3 +67,15 @@ def check_devices(device: torch.device, batch: Any) -> None:
                 f"a batch tensor is on {t.device} but the model is on {device}: move the model "
                 "or stop moving the batch (the Learner moves batches to the model's device)"
             )
+
+
+def check_fit_args(learn: Any, n_epoch: int, lr: Any, cbs: Any) -> None:
+    """What `fit(n_epoch, lr, cbs)` refuses before anything changes: a bad epoch count or LR, an
+    empty train set, a one-cycle schedule over a stream of unknown length."""
+    if not isinstance(n_epoch, int) or isinstance(n_epoch, bool) or n_epoch < 0:
+        raise ValueError(f"fit: n_epoch must be a non-negative int, got {n_epoch!r}")
+    if lr is not None:
+        check_lr(lr)
+    refuse_empty_train(learn.dls.train)
+    if any(isinstance(cb, OneCycleScheduler) for cb in [*learn.cbs, *cbs]):
+        refuse_unknown_length(learn.dls.train, learn.steps_per_epoch)

@@ -52,6 +52,25 @@ class PredsCollector(Callback):
         return preds, targets
 
 
+def collect_preds(
+    learn: Any, run_pass: Callable[[], None], with_loss: bool, pad_value: float
+) -> tuple[Any, ...]:
+    """`Learner.get_preds`: run an evaluation pass (`run_pass`) with no loss and no metric, keeping
+    every rank's outputs (and per-item losses with `with_loss`), then gather them in data order."""
+    if with_loss:
+        check_per_item_loss(learn.loss_func)
+    collector = PredsCollector(with_loss)
+    learn.record_metrics, learn.score = False, False
+    last_valid = learn.recorder.last_valid
+    try:
+        with learn.added_cbs([collector]):
+            run_pass()
+    finally:
+        learn.record_metrics, learn.score = True, True
+        learn.recorder.last_valid = last_valid  # get_preds is not a validation: keep its values
+    return collector.gathered(learn.collective, pad_value)
+
+
 def check_per_item_loss(loss_func: Any) -> None:
     """Refuse, before any batch runs, a loss that cannot give one value per item."""
     if loss_func is None or not hasattr(loss_func, "reduction"):

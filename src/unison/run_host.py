@@ -16,24 +16,24 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader
 
 import unison.engine as engine
 from unison.callbacks.recorder import Recorder
 from unison.data.batch import to_device
-from unison.data.ranked import is_rank_sharded
-from unison.data.sharding import LoaderShards
 from unison.data.stream import loader_length
 from unison.distributed.collective import Collective
-from unison.distributed.strategy import ParallelConfig, Strategy
+from unison.distributed.strategy import ParallelConfig
 from unison.events import (
     Callback,
     CancelBatchException,
     CancelTrainException,
     CancelValidException,
+    attach_callback,
+    detach_callback,
+    fire,
 )
-from unison.exact_loss import ExactLoss
 
 __all__ = ["RunHost", "RunLoader", "RunOptimizer"]
 
@@ -44,8 +44,8 @@ class RunHost:
     def __init__(self, config: ParallelConfig, accumulate: int, path: Path, model_dir: Path) -> None:
         self.config, self.accumulate = config, accumulate
         self.path, self.model_dir = path, model_dir
+        engine.init_loop_state(self)  # opt, collective, strategy, epoch, iter, xb, yb, loss, cbs, ...
         self.model: nn.Module | None = None
-        self.opt: torch.optim.Optimizer | None = None
         self.opt_func: Any = None
         self.lr: Any = None
         self.loss_func = None  # the loop computes the loss; `run.loss` receives it
@@ -53,30 +53,6 @@ class RunHost:
         self.dls = SimpleNamespace(train=None, valid=None)
         self.call_model = lambda model, xb: model(*xb)
         self.n_inp = 1
-        self.scaler: torch.amp.GradScaler | None = None
-        self.lr_finder = None
-        self.collective = Collective()
-        self.strategy: Strategy | None = None
-        self.exact_loss = ExactLoss()
-        self._shards = LoaderShards()
-        self._data_seed = torch.initial_seed() % 2**63  # rank 0's, once a strategy joins
-        self.epoch = self.n_epoch = self.iter = self.n_iter = self.train_iter = 0
-        self.pct_train = 0.0
-        self.training = False
-        self.start_epoch, self.start_iter = 0, 0
-        self.stream_resume_state: dict[str, Any] | None = None
-        self.dl: Any = None
-        self.xb: tuple[Any, ...] = ()
-        self.yb: tuple[Any, ...] = ()
-        self._padded_xb: tuple[Any, ...] = ()
-        self._empty_share = False
-        self.pred: Any = None
-        self.loss: Tensor | None = None
-        self.loss_grad: Tensor | None = None
-        self.loss_count = 0.0
-        self.score = self.record_metrics = True
-        self.grad_sync = True
-        self.cbs: list[Callback] = []
         self.recorder = Recorder(print_table=False)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
 
@@ -111,9 +87,7 @@ class RunHost:
         raise RuntimeError("Run: the optimizer comes from run.setup(model, opt)")
 
     def add_cb(self, cb: Callback) -> RunHost:
-        cb.learn = self  # type: ignore[assignment]
-        self.cbs.append(cb)
-        self.cbs.sort(key=lambda c: c.order)
+        attach_callback(self, cb)
         return self
 
     def add_cbs(self, cbs: Iterable[Callback]) -> RunHost:
@@ -122,18 +96,14 @@ class RunHost:
         return self
 
     def remove_cb(self, cb: Callback) -> RunHost:
-        if cb in self.cbs:
-            self.cbs.remove(cb)
+        detach_callback(self, cb)
         return self
 
     def get_cb(self, cls: type) -> Any:
         return next((c for c in self.cbs if isinstance(c, cls)), None)
 
     def __call__(self, event: str) -> None:
-        for cb in list(self.cbs):
-            handler = getattr(cb, event, None)
-            if handler is not None:
-                handler()
+        fire(self.cbs, event)
 
 
 class RunLoader:
@@ -152,17 +122,8 @@ class RunLoader:
         host = self.host
         assert host.model is not None
         training = host.model.training
-        dl = engine.shard_loader(host, self.dl, pad=not training)
-        host.dl, host.training = dl, training
-        host.n_iter = loader_length(dl) or 0
-        start = 0
-        if training and host.epoch == host.start_epoch and host.start_iter:
-            start, host.start_iter = host.start_iter, 0
-            if is_rank_sharded(dl):
-                dl.set_start(start)  # skip consumed batches without loading them
-                dl.load_state_dict(host.stream_resume_state)
-        if training:
-            host.exact_loss.start_epoch(getattr(dl, "batch_size", None))
+        start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume
+        dl = host.dl
         phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
         device = host.device
         try:

@@ -72,3 +72,18 @@ def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     assert "verdict: exact to float noise: in float64, 2 processes agree with 1" in proc.stdout
     worst = float(re.search(r"float64:\n  weights: max \|dw\| (\S+);", proc.stdout).group(1))
     assert worst < 1e-13
+
+
+@pytest.mark.timeout(300)
+def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
+    """examples/eval_no_trainer.py on 2 processes: unison's accuracy over 1,001 items at batch 16 is the
+    one-process accuracy (the same count of correct items), the padded gather's counts 1,002 items."""
+    script = ROOT / "examples" / "eval_no_trainer.py"
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    one = re.search(r"one process: accuracy (\S+) over 1001 items", out).group(1)
+    assert re.search(rf"unison: accuracy {re.escape(one)} over 1001 items", out), out
+    assert "padded: accuracy" in out and "over 1002 items" in out
+    assert "unison equals one process: True" in out

@@ -64,6 +64,12 @@ PAGES = [
         "Bring your own model",
     ),
     Page(
+        "own-loop.md",
+        "Your own loop",
+        "`unison.Run`: the Learner's guarantees in a loop you write, by the same engine; from Accelerate "
+        "and Fabric, call by call; an odd-sized evaluation measured; nanoGPT ported",
+    ),
+    Page(
         "exact.md",
         "What is exact",
         "what W processes = 1 process means in float arithmetic, and where float noise grows",

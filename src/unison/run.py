@@ -261,6 +261,16 @@ class Run:
         return self.host.collective.is_main
 
     @property
+    def epoch(self) -> int:
+        """The epoch in progress."""
+        return self.host.epoch
+
+    @property
+    def batch(self) -> int:
+        """The index of the training batch in progress within its epoch (after a resume too)."""
+        return self.host.iter
+
+    @property
     def device(self) -> torch.device:
         """Where the model's parameters are (batches are moved there)."""
         return self.host.device

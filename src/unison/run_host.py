@@ -106,6 +106,25 @@ class RunHost:
         fire(self.cbs, event)
 
 
+#: What a pass sets that a training batch in flight needs back after an evaluation inside it.
+_BATCH_STATE = (
+    "dl",
+    "training",
+    "iter",
+    "n_iter",
+    "grad_sync",
+    "in_batch",
+    "xb",
+    "yb",
+    "_padded_xb",
+    "_empty_share",
+    "pred",
+    "loss",
+    "loss_grad",
+    "loss_count",
+)
+
+
 class RunLoader:
     """One pass over this rank's share of a loader per `iter()`: a training pass while the model is
     in train mode (the epoch's order, no item twice, resumed mid-epoch), else an evaluation pass.
@@ -122,6 +141,10 @@ class RunLoader:
         host = self.host
         assert host.model is not None
         training = host.model.training
+        if host.in_batch and training:
+            raise RuntimeError("Run: a training loader iterated inside a training batch (nested loops)")
+        # An evaluation inside a training batch (nanoGPT's estimate_loss): the batch's state comes back.
+        outer = {name: getattr(host, name) for name in _BATCH_STATE} if host.in_batch else None
         start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume
         dl = host.dl
         phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
@@ -155,6 +178,11 @@ class RunLoader:
                 host.strategy.after_batch()
             host.grad_sync, host.in_batch = True, False
             raise
+        if outer is not None:
+            host(f"after_{phase}")
+            for name, value in outer.items():
+                setattr(host, name, value)
+            return
         host.grad_sync = True
         host(f"after_{phase}")
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from unison.distributed.fault_tolerant import FaultTolerantTrainer, ReplicaBehindError, start_lighthouse
     from unison.distributed.group import DEFAULT_TIMEOUT_S, rank0_first, setup_distrib, teardown_distrib
     from unison.distributed.sharded import ShardedTrainer, is_sharded
+    from unison.distributed.strategy import ParallelConfig, Strategy
     from unison.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from unison.distributed.trainer import (
         DataParallel,
@@ -45,6 +46,8 @@ _EXPORTS = {
     "start_lighthouse": "unison.distributed.fault_tolerant",
     "ShardedTrainer": "unison.distributed.sharded",
     "is_sharded": "unison.distributed.sharded",
+    "ParallelConfig": "unison.distributed.strategy",
+    "Strategy": "unison.distributed.strategy",
     "SyncBatchNorm": "unison.distributed.sync_bn",
     "convert_sync_batchnorm": "unison.distributed.sync_bn",
     "revert_sync_batchnorm": "unison.distributed.sync_bn",
@@ -66,9 +69,11 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedTrainer",
     "FaultTolerantTrainer",
+    "ParallelConfig",
     "ParallelTrainer",
     "ReplicaBehindError",
     "ShardedTrainer",
+    "Strategy",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "is_main_process",

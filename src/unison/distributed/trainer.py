@@ -179,16 +179,22 @@ class DistributedTrainer(Callback):
         return self.monitor.diagnose() if self.monitor is not None else None
 
     def after_batch(self) -> None:
+        # (Not after an evaluation batch inside a training batch, as an own loop may run: the training
+        # batch's micro-step is still in flight.)
+        if self.learn.training:
+            self._leave_no_sync()
+
+    after_cancel_batch = after_batch
+
+    def _leave_no_sync(self) -> None:
         if self._no_sync is not None:
             self._no_sync.__exit__(None, None, None)
             self._no_sync = None
 
-    after_cancel_batch = after_batch
-
     def restore(self) -> None:
         """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
         learn = self.learn
-        self.after_batch()
+        self._leave_no_sync()
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None

@@ -352,10 +352,11 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     tmp_path: Path,
 ) -> None:
     """Two jobs on the same two machines, one without restarts and one with --max-restarts 1; the
-    link between the machines goes down mid-epoch for 12 s (--timeout 5) and comes back. Without
-    restarts both machines end within timeout + 30 s, each naming the rank it lost; with a restart
-    the rendezvous waits for the lost machine (it used to give up after --timeout, as the cut was
-    still on), and the job ends on the uninterrupted weights."""
+    link between the machines goes down mid-epoch (--timeout 5) and comes back only once the job
+    without restarts ended on both machines (at least 12 s). Without restarts both machines end
+    within timeout + 30 s of the cut, each naming the rank it lost, while the link is still down;
+    with a restart the rendezvous waits for the lost machine (it used to give up after --timeout,
+    as the cut was still on), and the job ends on the uninterrupted weights."""
     cut_s = 12
 
     def node(i: int, folder: Path, port: int, restarts: int) -> Job:
@@ -389,7 +390,12 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     ]
     for w in waiters:
         w.start()
-    time.sleep(cut_s)
+    # The link stays down until both jobs without restarts ended (or their bound passed): the far
+    # machine used to end only when the link came back, whatever the cut's length.
+    deadline = cut + 5 + 30 + 15
+    while time.monotonic() < deadline and not ("once0" in ended and "once1" in ended):
+        time.sleep(0.2)
+    time.sleep(max(0.0, cut + cut_s - time.monotonic()))  # the restarting job sees a cut of >= cut_s
     link(machines, up=True)
     for w in waiters:
         w.join(WAIT_S)

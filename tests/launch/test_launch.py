@@ -214,7 +214,8 @@ def test_plans_use_torch_rendezvous(script: str, monkeypatch: pytest.MonkeyPatch
     assert plan.args == ["-m", "unison.launch.worker", script, "--local_rank=${local_rank}", "--lr", "3"]
     elastic = launch_mod.parse_options(["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", script])
     plan = launch_mod.plan_launch(elastic, "/x")
-    assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("c10d", 1, 2)
+    # torch's c10d rendezvous, each store call bounded by its read_timeout (a cut link outlasts it)
+    assert (plan.config.rdzv_backend, plan.config.min_nodes, plan.config.max_nodes) == ("unison-c10d", 1, 2)
     assert plan.config.run_id == "unison" and plan.config.local_addr == "127.0.0.1"
     # every c10d round (a restart, a node joining) gets a fresh store (pytorch#135712), so the
     # workers' keys need no per-round value, which the nodes would not agree on (restart counts)

@@ -25,11 +25,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from unison.distributed.deadline import within
 from unison.distributed.env import DistribEnv
 from unison.distributed.group import created_by_unison, group_generation, group_key_prefix
 
@@ -256,30 +256,6 @@ class Watchdog:
                 lagging,
             )
         return None
-
-
-def within(limit_s: float, call: Callable[[], object]) -> None:
-    """Run `call` in a daemon thread and wait at most `limit_s` for it: a store client call has no
-    bound of its own against a server that accepts but never answers (a frozen or cut-off host).
-    Raises `TimeoutError` past the limit (the thread is left behind, blocked) and `call`'s error.
-
-    >>> within(5.0, lambda: store.set("key", "value"))  # doctest: +SKIP
-    """
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as exc:  # reported to the caller
-            failed.append(exc)
-
-    worker = threading.Thread(target=run, name="unison-store-call", daemon=True)
-    worker.start()
-    worker.join(limit_s)
-    if worker.is_alive():
-        raise TimeoutError(f"the store did not answer within {limit_s:.0f} s")
-    if failed:
-        raise failed[0]
 
 
 def _silent_because() -> str:

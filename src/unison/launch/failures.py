@@ -11,8 +11,10 @@ traceback or stderr log. Nothing here supervises a process: torch's agent does.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -75,6 +77,59 @@ def preempted_status(log_dir: str, signame: str | None) -> str | None:
     said = said.split(": ", 1)[1] if said.startswith("preempted by ") and ": " in said else said
     how = f"{signame} reached the launcher and its workers" if signame else "a signal reached the workers"
     return f"unison launch: preempted ({how}): {said}; exit status {PREEMPTED_EXIT} (resume me)"
+
+
+#: Errors a restart on the same machine meets again, by class name (a subclass's name matches only
+#: itself: DiskFullError is a CheckpointError, listed for the message). The checkpoint refused (torn,
+#: of another model, another global batch), a full disk, a non-finite loss or gradient that resuming
+#: from the last checkpoint recomputes, a script that cannot start.
+DETERMINISTIC_ERRORS = frozenset(
+    {
+        "CheckpointError",
+        "DiskFullError",
+        "NonFiniteError",
+        "SyntaxError",
+        "IndentationError",
+        "ModuleNotFoundError",
+    }
+)
+#: OS errors of the same kind: the file system or its permissions, which a restart does not change.
+DETERMINISTIC_ERRNOS = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOSPC: "no space left",
+    errno.EDQUOT: "disk quota exceeded",
+}
+_ERRNO = re.compile(r"\[Errno (\d+)\]")
+
+
+def deterministic_failure(headline: str) -> str | None:
+    """Why the error `headline` (a rank's error file's message: "OSError: [Errno 30] ...") would
+    happen again after a restart, or None when a restart may get past it (a lost peer, a killed
+    process, a network error). The one place `unison launch` decides that `--max-restarts` is
+    worth spending.
+
+    >>> deterministic_failure("OSError: [Errno 30] Read-only file system: '/ckpt/models'")
+    'read-only file system (errno 30)'
+    >>> deterministic_failure("unison.checkpoint.errors.CheckpointError: /ckpt/checkpoint.pth is damaged")
+    'CheckpointError'
+    >>> deterministic_failure("RuntimeError: Connection reset by peer") is None
+    True
+    """
+    head = headline.strip()
+    name = head.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    if name in DETERMINISTIC_ERRORS:
+        return name
+    found = _ERRNO.search(head.split("\n", 1)[0])
+    if (
+        found
+        and (name.endswith("Error") or name == "OSError")
+        and int(found.group(1)) in DETERMINISTIC_ERRNOS
+    ):
+        code = int(found.group(1))
+        return f"{DETERMINISTIC_ERRNOS[code]} (errno {code})"
+    return None
 
 
 class WorkerLogs(Protocol):

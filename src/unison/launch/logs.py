@@ -20,7 +20,13 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
-from unison.launch.failures import error_headlines, exit_phrase, oom_kills, reacted_to_a_peer
+from unison.launch.failures import (
+    deterministic_failure,
+    error_headlines,
+    exit_phrase,
+    oom_kills,
+    reacted_to_a_peer,
+)
 from unison.launch.rendezvous import private_dir, private_files
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
@@ -293,17 +299,17 @@ class RestartRefused(RuntimeError):
     happen (the workers stopped on a preemption signal): the launch stops."""
 
 
-#: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError", "NonFiniteError", "Preempted")  # Preempted: the job is to stop, checkpointed
-
-
 def pointless_restart(attempt_dir: str) -> str | None:
-    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None.
+    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None: a rank failed
+    with an error a restart meets again (`failures.deterministic_failure`: a full disk, a
+    non-finite loss, a refused checkpoint, a read-only folder), or stopped on a preemption signal
+    (the job is to stop, checkpointed).
 
     >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
     'rank 0 failed with DiskFullError: disk full (ENOSPC; OSError: [Errno 28] ...) writing ...'
     """
     for rank, headline in error_headlines(attempt_dir):
-        if any(headline.startswith(f"{name}:") or f".{name}:" in headline for name in _HOPELESS):
+        preempted = headline.startswith("Preempted:") or ".Preempted:" in headline
+        if preempted or deterministic_failure(headline) is not None:
             return f"rank {rank} failed with {headline.strip()}"
     return None

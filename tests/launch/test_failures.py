@@ -3,6 +3,9 @@ again, the OOM killer's count of the worker's own memory cgroup, the restart lin
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from unison.launch.failures import deterministic_failure
@@ -41,3 +44,47 @@ def test_errors_a_restart_meets_again_are_named(headline, why):
 )
 def test_errors_a_restart_may_get_past_are_not(headline):
     assert deterministic_failure(headline) is None
+
+
+# A worker whose first attempt dies in the middle of a line of stderr (a traceback cut off by a kill).
+CUT_OFF = """
+import os, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.stderr.write("    learn.fit(3)")  # no end of line: the process dies here
+    sys.stderr.flush()
+    os._exit(3)
+print("second attempt ran", flush=True)
+"""
+
+
+@pytest.mark.slow  # a real launch and restart
+def test_the_restart_line_starts_on_a_line_of_its_own(tmp_path):
+    """The launcher's lines came glued to a rank's cut-off last line:
+    `[rank0]:    learn.fit(3)unison launch: restarting the workers (restart 1 of 1): ...`."""
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_OFF)
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", "--max-restarts", "1", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "second attempt ran" in proc.stdout
+    lines = proc.stderr.splitlines()
+    cut = [line for line in lines if "learn.fit(3)" in line]
+    assert cut and all(line.endswith("learn.fit(3)") for line in cut), proc.stderr[-3000:]
+    assert any(line.startswith("unison launch: restarting the workers (restart 1 of 1)") for line in lines), (
+        proc.stderr[-3000:]
+    )
+
+
+@pytest.mark.slow
+def test_the_failure_summary_starts_on_a_line_of_its_own(tmp_path):
+    """The same cut-off line with no restart: the summary after it starts a line too."""
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_OFF)
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert any(line.endswith("learn.fit(3)") for line in lines), proc.stderr[-3000:]
+    assert any(line.startswith("unison launch: rank 0 failed (exit code 3)") for line in lines), proc.stderr[
+        -3000:
+    ]

@@ -64,6 +64,7 @@ class RankLogsSpecs(LogsSpecs):
         self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
         self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
+        self._consoles: tuple[_Console, ...] = ()  # the console's streams while `console_guard` holds them
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -100,12 +101,11 @@ class RankLogsSpecs(LogsSpecs):
                         f"unison launch: replica {r}: {why.removeprefix(': ') or 'a worker failed'}; "
                         f"restarting replica {r} ({restart}/{most}); the other replicas keep training"
                     )
-                print(line, file=sys.stderr)
+                self.say(line)
             else:
-                print(
+                self.say(
                     "unison launch: restarting the workers: a node (re)joined the job (not counted against "
-                    "--max-restarts)",
-                    file=sys.stderr,
+                    "--max-restarts)"
                 )
         self.restart = restart
         self.ranks, self.oom_kills = {}, oom_kills()
@@ -185,12 +185,25 @@ class RankLogsSpecs(LogsSpecs):
         files), so training goes on: the lines are dropped, once said on the other stream, and
         the log files are kept (`console_lost`) so nothing is lost."""
         saved = sys.stdout, sys.stderr
-        sys.stdout = _Console(saved[0], "stdout", self)
-        sys.stderr = _Console(saved[1], "stderr", self)
+        self._consoles = (_Console(saved[0], "stdout", self), _Console(saved[1], "stderr", self))
+        sys.stdout, sys.stderr = self._consoles
         try:
             yield
         finally:
+            self.end_partial_lines()  # what the launcher says next (the summary) starts a line
             sys.stdout, sys.stderr = saved
+            self._consoles = ()
+
+    def end_partial_lines(self) -> None:
+        """End a rank's last line that its process cut off (killed mid-line: the tailer shows it
+        without its end), so the launcher's next line does not come glued to it."""
+        for console in self._consoles:
+            console.end_line()
+
+    def say(self, line: str) -> None:
+        """Print one of the launcher's own lines to the console's stderr, on a line of its own."""
+        self.end_partial_lines()
+        print(line, file=sys.stderr, flush=True)
 
     def lost_console(self, name: str, exc: BaseException) -> None:
         """Say once (on the stream still open) that the console's `name` went away, and keep the logs."""
@@ -224,6 +237,14 @@ class _Console(io.TextIOBase):
     def __init__(self, stream: io.TextIOBase, name: str, owner: RankLogsSpecs) -> None:
         self._stream, self._name, self._owner = stream, name, owner
         self._gone = False
+        self._mid_line = False  # the last text written did not end its line
+
+    def end_line(self) -> None:
+        """Write an end of line if the last text written left its line open."""
+        with _LOCK:
+            mid_line, self._mid_line = self._mid_line, False
+        if mid_line:
+            self.write("\n")
 
     def _lost(self, exc: BaseException) -> None:
         self._gone = True
@@ -234,6 +255,8 @@ class _Console(io.TextIOBase):
         self._owner.lost_console(self._name, exc)
 
     def write(self, text: str) -> int:
+        if text:
+            self._mid_line = not text.endswith("\n")
         if not self._gone:
             try:
                 self._stream.write(text)

@@ -21,10 +21,12 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
 from unison.launch.failures import (
+    OomCount,
     deterministic_failure,
     error_headlines,
     exit_phrase,
-    oom_kills,
+    oom_count,
+    oom_kills_since,
     reacted_to_a_peer,
 )
 from unison.launch.rendezvous import private_dir, private_files
@@ -60,7 +62,8 @@ class RankLogsSpecs(LogsSpecs):
         self.attempts = 0  # worker groups started so far on this node (the log folder's number)
         self.restart = "0"  # torch's TORCHELASTIC_RESTART_COUNT of the latest one
         self.ranks: dict[int, int] = {}  # local rank -> global rank, in the latest attempt
-        self.oom_kills: int | None = None  # the OOM killer's count (/proc/vmstat) when it started
+        #: the OOM killer's count when the attempt started (this job's memory cgroup, else the machine's)
+        self.oom_kills: OomCount | None = None
         self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
         self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
@@ -108,7 +111,7 @@ class RankLogsSpecs(LogsSpecs):
                     "--max-restarts)"
                 )
         self.restart = restart
-        self.ranks, self.oom_kills = {}, oom_kills()
+        self.ranks, self.oom_kills = {}, oom_count()
         # 0700, files 0600: logs may hold secrets, and other local users must not read them.
         base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
@@ -159,7 +162,7 @@ class RankLogsSpecs(LogsSpecs):
         that rank is the one it killed."""
         noted = os.path.join(attempt_dir, f"rank{rank}.error.json")
         reacted = exitcode == -signal.SIGTERM or reacted_to_a_peer(_headline(noted))
-        if not reacted or self.oom_kills is None or (oom_kills() or 0) <= self.oom_kills:
+        if not reacted or oom_kills_since(self.oom_kills) is None:
             return None
         silent = [
             r

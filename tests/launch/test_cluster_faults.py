@@ -130,13 +130,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
 # ---- the kernel's OOM killer ----------------------------------------------------------------------
 @contextlib.contextmanager
 def memory_cgroup(limit: int) -> Iterator[Path]:
-    """A memory cgroup holding at most `limit` bytes (v1 or v2); skip the test where none can be made."""
+    """A memory cgroup holding at most `limit` bytes (v1 or v2), inside this process's own memory cgroup
+    (a launch started here is in it: as a cluster's per-job cgroup holds every process of a job, so
+    the launcher counts its OOM kills as this job's); skip the test where none can be made."""
     name = f"unison-oom-{uuid.uuid4().hex[:8]}"
     v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-    if v1.is_dir():
-        path, limit_file = v1 / name, "memory.limit_in_bytes"
-    elif (v2 / "cgroup.subtree_control").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text():
-        path, limit_file = v2 / name, "memory.max"
+    own = {
+        c: p.lstrip("/")
+        for _, c, p in (x.split(":", 2) for x in Path("/proc/self/cgroup").read_text().split())
+    }
+    memory_v1 = next((p for c, p in own.items() if "memory" in c.split(",")), None)
+    if v1.is_dir() and memory_v1 is not None:
+        path, limit_file = v1 / memory_v1 / name, "memory.limit_in_bytes"
+    elif (v2 / own.get("", "") / "cgroup.subtree_control").exists() and "memory" in (
+        v2 / own.get("", "") / "cgroup.subtree_control"
+    ).read_text():
+        path, limit_file = v2 / own.get("", "") / name, "memory.max"
     else:
         pytest.skip("no memory cgroup controller here (a real OOM kill needs one)")
     try:

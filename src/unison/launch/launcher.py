@@ -349,12 +349,14 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.elastic.utils import macros
     from torch.distributed.launcher.api import LaunchConfig
 
-    from unison.distributed.env import huge_pages_env, threads_per_worker
+    from unison.distributed.env import LAUNCHER_THREADS_ENV, huge_pages_env, threads_per_worker
     from unison.distributed.group import TIMEOUT_ENV
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    if not os.environ.get("OMP_NUM_THREADS"):  # ours, not the user's: a spawn inside a worker divides it
+        env[LAUNCHER_THREADS_ENV] = env["OMP_NUM_THREADS"]
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
-from unison.distributed.env import huge_pages_env, threads_per_worker
+from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.group import TIMEOUT_ENV
 from unison.launch.rendezvous import WatchWorkers, heartbeat_store
 
@@ -242,9 +242,9 @@ def _check_picklable(obj: Any, fresh_interpreter: bool) -> None:
 
 
 def _threads(nprocs: int) -> int:
-    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores."""
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else threads_per_worker(nprocs)
+    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores
+    (inside a `unison launch` worker: of that worker's share)."""
+    return threads_for_spawned(nprocs)
 
 
 def _worker(

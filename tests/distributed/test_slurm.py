@@ -1,22 +1,32 @@
-"""SLURM without a launcher: `srun python train.py` tasks find their place from SLURM's variables.
+"""SLURM for real: sbatch, srun, scancel and scontrol requeue on a slurmctld and a slurmd.
 
-No SLURM runs here: the tests give real processes exactly the variables srun sets for the tasks
-of a step (and a batch script or an salloc shell the ones they carry), and check the host-list
-forms SLURM writes against hand-expanded lists."""
+The cluster (tests/slurm_cluster.py: Debian's slurm-wlm 22.05, munged, one node, this machine)
+is started once for the session by the `slurm` fixture and stopped at its end; without the
+packages (`make slurm-deps` installs them) those tests are skipped, saying so. The unit tests
+at the top parse the host-list forms SLURM writes and the variables of a task, a batch script
+and an salloc shell (SLURM gives those in the jobs below as well)."""
 
 import json
 import os
-import subprocess
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from tests.worker_pool import free_port
-from unison.distributed.env import DistribEnv
+from tests.slurm_cluster import SlurmCluster, why_unavailable
+from tests.slurm_job import N_TRAIN, OPTIMIZERS, make_data, make_model
+from unison.distributed.env import DistribEnv, threads_per_worker
 from unison.distributed.slurm import expand_hostlist, is_srun_task, job_port
 
-TRAIN = str(Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py")
+ROOT = Path(__file__).resolve().parent.parent.parent
+JOB = str(ROOT / "tests" / "slurm_job.py")
+PY = sys.executable
+UNISON = str(Path(sys.executable).parent / "unison")
+WAIT_S = 240  # bound on any one job (they take 5-30 s on a loaded 2-core machine)
 
 
 @pytest.mark.parametrize(
@@ -81,55 +91,74 @@ def test_a_batch_script_an_salloc_shell_and_torchrun_inside_a_job_are_not_srun_t
     assert (DistribEnv.from_environ(torchrun).rank, DistribEnv.from_environ(torchrun).world_size) == (5, 8)
 
 
-def _run(cmd, env, timeout=120):
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM cluster for the whole session (munged, slurmctld, one slurmd), stopped after."""
+    why = why_unavailable()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster.start(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
-def _result(proc, timeout=120):
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-3000:]
-    return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+def plain_weights(opt: str, epochs: int, bs: int = 16) -> list[float]:
+    """One process, batch `bs`, in order: the reference every SLURM run must end on."""
+    x, y = make_data()
+    model = make_model()
+    cls, lr = OPTIMIZERS[opt]
+    optimizer = cls(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        for k in range(N_TRAIN // bs):
+            loss = nn.functional.mse_loss(model(x[k * bs : (k + 1) * bs]), y[k * bs : (k + 1) * bs])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return [float(v) for p in model.parameters() for v in p.detach().flatten()]
+
+
+def results(folder: Path, pattern: str = "*.json") -> list[dict]:
+    """What the job's ranks wrote (tests/slurm_job.py --results), by file name: opt, attempt, rank."""
+    return [json.loads(f.read_text()) for f in sorted(folder.glob(pattern))]
+
+
+def stopped(out: Path) -> list[dict]:
+    """The `STOPPED {"rank": r, "time": t}` lines the job's preempted ranks printed."""
+    lines = out.read_text().splitlines()
+    return [json.loads(m.group(1)) for line in lines if (m := re.search(r"STOPPED (\{.*?\})", line))]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What the submitting shell exports (sbatch passes it on): this Python's bin first on PATH, as
+    an activated virtualenv would be, and a bounded wait for a lost peer."""
+    return {"PATH": f"{Path(PY).parent}:{os.environ['PATH']}", "UNISON_TIMEOUT": "60", **extra}
+
+
+def ended(slurm: SlurmCluster, job: str, out: Path) -> dict[str, str]:
+    info = slurm.wait_done(job, WAIT_S)
+    info["output"] = out.read_text() if out.exists() else "(no output file)"
+    return info
 
 
 @pytest.mark.slow
-def test_two_srun_tasks_without_a_launcher_train_as_one_process(tmp_path):
-    """`srun --ntasks=2 python train.py`, simulated: two processes given only srun's variables form
-    the group themselves and end on the weights of one process at the same global batch."""
-    base = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    base.pop("LOCAL_RANK", None)
-    port = free_port()
-    tasks = []
-    for rank in range(2):
-        env = dict(base, **srun_env(rank, world=2, per_node=2, job=str(port - 15000)))
-        env.update(SLURM_JOB_NODELIST="localhost", SLURM_STEP_NODELIST="localhost", UNISON_TIMEOUT="60")
-        tasks.append(_run([sys.executable, TRAIN, "--bs", "8"], env))
-    (two,) = [r for t in tasks for r in _result(t)]
-    (one,) = _result(_run([sys.executable, TRAIN, "--bs", "16"], base))
-    assert two["weights"] == pytest.approx(one["weights"], rel=1e-6)
-    assert two["valid"] == pytest.approx(one["valid"], abs=1e-6)
-
-
-def test_one_launcher_per_node_takes_the_machines_and_node_0_from_slurm(monkeypatch, tmp_path):
-    """`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py` on 2 nodes, simulated:
-    the launcher of node 1 finds 2 machines, its rank 1, and node 0's host and the job's port."""
-    from unison.launch.launcher import parse_options
-    from unison.launch.options import LaunchError
-
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))]:
-        monkeypatch.delenv(name)
-    step = dict(srun_env(1, world=2, per_node=1), SLURM_STEP_NUM_NODES="2", SLURM_NODEID="1")
-    step.update(SLURM_JOB_NODELIST="localhost,cn08", SLURM_STEP_NODELIST="localhost,cn08")
-    for k, v in step.items():
-        monkeypatch.setenv(k, v)
-    opts = parse_options(["--nproc-per-node", "2", str(script)])
-    assert (opts.max_nodes, opts.node_rank, opts.nproc) == (2, 1, 2)
-    assert (opts.master_addr, opts.master_port) == ("localhost", 19242)
-    given = parse_options(["--nnodes", "1", "--nproc-per-node", "2", str(script)])  # the command line wins
-    assert given.max_nodes == 1
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # --ntasks-per-node=2: two launchers per node
-    with pytest.raises(LaunchError, match="srun started 4 tasks on 2 nodes"):
-        parse_options(["--nproc-per-node", "2", str(script)])
+def test_sbatch_ntasks_2_srun_python_trains_as_one_process_with_a_share_of_the_cores(slurm, tmp_path):
+    """`sbatch --ntasks=2` + `srun python train.py`, no launcher: the two tasks form the group from
+    SLURM's variables and end on the weights of one process at the same global batch (SGD and
+    AdamW). Each task runs on its share of the cores, as under `unison launch` (it ran as many
+    threads as the machine has cores: 2 tasks x 2 threads on 2 cores)."""
+    out = tmp_path / "job.out"
+    steps = [f"srun {PY} {JOB} --results {tmp_path} --bs 8 --opt {opt}" for opt in ("adamw", "sgd")]
+    job = slurm.sbatch(["--ntasks=2", f"--output={out}", "--wrap", " && ".join(steps)], env=job_env())
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    got = results(tmp_path)  # adamw's 2 ranks, then sgd's
+    assert sorted((r["rank"], r["world"]) for r in got) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r["threads"] for r in got] == [threads_per_worker(2)] * 4
+    for opt, pair in (("sgd", got[:2]), ("adamw", got[2:])):
+        expected = plain_weights(opt, epochs=2)
+        for r in pair:
+            assert max_diff(r["weights"], expected) < 1e-6, (opt, r["rank"])

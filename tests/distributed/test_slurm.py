@@ -162,3 +162,82 @@ def test_sbatch_ntasks_2_srun_python_trains_as_one_process_with_a_share_of_the_c
         expected = plain_weights(opt, epochs=2)
         for r in results(tmp_path, f"{opt}-*.json"):
             assert max_diff(r["weights"], expected) < 1e-6, (opt, r["rank"])
+
+
+@pytest.mark.slow
+def test_one_unison_launch_per_node_under_srun(slurm, tmp_path):
+    """`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py`: the launcher takes the
+    machines, its node's rank and node 0's address and port from SLURM, and the job ends on one
+    process's weights. A step with more launchers than nodes is refused naming both numbers."""
+    out = tmp_path / "job.out"
+    cmd = f"srun --ntasks-per-node=1 {UNISON} launch --nproc-per-node 2 {JOB} --results {tmp_path} --bs 8"
+    job = slurm.sbatch(["--nodes=1", "--ntasks=1", "--cpus-per-task=2", f"--output={out}", "--wrap", cmd], env=job_env())
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    got = results(tmp_path)
+    assert sorted((r["rank"], r["world"], r["threads"]) for r in got) == [(0, 2, 1), (1, 2, 1)]
+    expected = plain_weights("sgd", epochs=2)
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in got)
+    assert "unison launch: 2 process(es) on this machine; 1 thread(s) each" in info["output"], info["output"][-3000:]
+
+    refused_out = tmp_path / "refused.out"
+    cmd = f"srun {UNISON} launch --nproc-per-node 2 {JOB} --results {tmp_path}"
+    job = slurm.sbatch(["--ntasks=2", f"--output={refused_out}", "--wrap", cmd], env=job_env())
+    info = ended(slurm, job, refused_out)
+    assert info["JobState"] == "FAILED", info["output"][-3000:]
+    assert "srun started 2 tasks on 1 nodes, but unison launch runs one per node" in info["output"]
+
+
+def wait_for(path: Path, job: str, slurm: SlurmCluster) -> None:
+    """Poll until `path` exists (the job's cue), failing at once if the job ended first."""
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} is {state} before {path.name}"
+        assert time.monotonic() < deadline, f"no {path} after {WAIT_S} s"
+        time.sleep(0.05)
+
+
+def steps_trained(folder: Path, rank: int) -> list[tuple[int, int]]:
+    """(attempt, global step) of every optimizer step rank `rank` finished, in order."""
+    lines = (folder / f"steps-{rank}").read_text().split("\n")
+    return [(int(a), int(s)) for a, s in (line.split() for line in lines if line)]
+
+
+PREEMPTIBLE = f"srun {PY} {JOB} --bs 8 --epochs 3 --every 100 --step-s 0.2"  # 12 steps; one checkpoint: the stop's
+
+
+@pytest.mark.slow
+def test_scancel_signal_usr1_stops_every_rank_checkpointed_and_the_job_resumes(slurm, tmp_path):
+    """`scancel --signal=USR1` (what `#SBATCH --signal=USR1@90` sends before the time limit) reaches
+    every task of the step: each rank stops at one step with the checkpoint written, the tasks exit
+    75 and so does the job. Submitted again, it resumes from the checkpoint, trains no step twice and
+    ends on the weights of one uninterrupted process."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "job.out"
+    ckpt.mkdir()
+    cmd = f"{PREEMPTIBLE} --results {tmp_path} --dir {ckpt} --ready 3"
+    job = slurm.sbatch(["--ntasks=2", f"--output={out}", "--wrap", cmd], env=job_env())
+    wait_for(ckpt / "ready", job, slurm)
+    sent = time.time()
+    slurm.run(["scancel", "--signal=USR1", job])
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "75:0"), info["output"][-3000:]
+    stops = stopped(out)
+    assert sorted(s["rank"] for s in stops) == [0, 1], info["output"][-3000:]
+    lag = max(s["time"] for s in stops) - sent
+    print(f"every rank stopped {lag:.2f} s after scancel --signal=USR1")
+    assert lag < 60
+    assert "unison: preempted by SIGUSR1: every rank stopped" in info["output"]
+    assert "tasks 0-1: Exited with exit code 75" in info["output"]  # srun's own account
+    assert (ckpt / "models" / "checkpoint.pth").exists()
+    done = steps_trained(ckpt, 0)
+    assert 4 <= len(done) < 12, done  # stopped after the cue, before the end
+
+    out2 = tmp_path / "again.out"
+    job = slurm.sbatch(["--ntasks=2", f"--output={out2}", "--wrap", f"{PREEMPTIBLE} --results {tmp_path} --dir {ckpt}"], env=job_env())
+    info = ended(slurm, job, out2)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    for rank in (0, 1):
+        assert [s for _, s in steps_trained(ckpt, rank)] == list(range(12))  # each step once
+    expected = plain_weights("sgd", epochs=3)
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in results(tmp_path))

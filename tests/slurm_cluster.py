@@ -9,7 +9,7 @@ changed. `proctrack/linuxproc` and `task/none` (no cgroups needed), no accountin
 (`PR_SET_PDEATHSIG`): none outlives the session.
 
 Two settings shorten what a real cluster waits, so the suite stays fast (both named in
-docs/faults.md): `AuthInfo=cred_expire=2` (a requeued job is held `cred_expire + 1` s before it
+docs/faults.md): `AuthInfo=cred_expire=5` (a requeued job is held `cred_expire + 1` s before it
 may start again: 121 s by default) and `SchedulerParameters=bf_interval=1` (the backfill pass,
 which starts it, runs every second instead of every 30 s).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
 CPUS = 4  # declared (config_overrides): 4 tasks fit on a 2-core machine
-CRED_EXPIRE_S = 2
+CRED_EXPIRE_S = 5  # the least SLURM takes ("AuthInfo=cred_expire=2 invalid")
 _PR_SET_PDEATHSIG = 1
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
@@ -140,7 +140,7 @@ class SlurmCluster:
                     f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
                     # the backfill pass starts a requeued job once eligible: every 1 s, not 30
                     "SchedulerType=sched/backfill",
-                    "SchedulerParameters=bf_interval=1",
+                    "SchedulerParameters=bf_interval=1,sched_interval=1",
                     f"FirstJobId={self.first_job_id}",
                     f"StateSaveLocation={r / 'state'}",
                     f"SlurmdSpoolDir={r / 'spool'}/%n",
@@ -176,7 +176,9 @@ class SlurmCluster:
         )
         self._wait_for(lambda: self.munge_socket.exists(), 20, "munged made no socket")
         self._daemon("slurmctld", ["-D", "-i", "-f", str(self.conf)])
-        self._wait_for(lambda: self._run(["scontrol", "ping"]).returncode == 0, 40, "slurmctld did not answer")
+        self._wait_for(
+            lambda: self._run(["scontrol", "ping"]).returncode == 0, 40, "slurmctld did not answer"
+        )
         self._daemon("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])
 
     def _daemon(self, name: str, args: list[str]) -> None:

@@ -1,5 +1,6 @@
 """The examples run as a user runs them, and reach what they promise."""
 
+import json
 import re
 import subprocess
 import sys
@@ -87,3 +88,43 @@ def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     assert re.search(rf"unison: accuracy {re.escape(one)} over 1001 items", out), out
     assert "padded: accuracy" in out and "over 1002 items" in out
     assert "unison equals one process: True" in out
+
+
+@pytest.mark.timeout(600)
+def test_nanogpt_on_run_reproduces_one_process_loss_curve_on_two(tmp_path):
+    """examples/nanogpt/train.py at a global batch of 16: 1 process (batch 16) and 2 (batch 8) train on
+    the same windows, so their per-step losses over the global batch agree to float32 rounding."""
+    script = str(ROOT / "examples" / "nanogpt" / "train.py")
+    common = ["--max_iters", "4", "--eval_interval", "2", "--eval_iters", "2"]
+    one = subprocess.run(
+        [sys.executable, script, "--batch_size", "16", "--out_dir", "one", *common],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unison.launch",
+            "--nproc",
+            "2",
+            script,
+            "--batch_size",
+            "8",
+            "--out_dir",
+            "two",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    curves = [json.loads((tmp_path / run / "losses.json").read_text()) for run in ("one", "two")]
+    assert len(curves[0]) == len(curves[1]) == 8  # 4 steps of 2 accumulated batches
+    assert max(abs(a - b) for a, b in zip(*curves, strict=True)) < 1e-5
+    assert curves[0][-1] < curves[0][0]  # it learns

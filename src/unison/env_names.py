@@ -32,6 +32,10 @@ REQUEUE_ENV = "UNISON_REQUEUE"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: The replica group's name: a restarted group keeps it (`--replica-id`).
 REPLICA_ENV = "UNISON_REPLICA_ID"
+#: The thread count `unison launch` gave each worker (`OMP_NUM_THREADS`) when it chose it, the user
+#: having set none: a process the worker spawns sees its share is the launcher's, to divide
+#: (`distributed.env.threads_for_spawned`).
+LAUNCHER_THREADS_ENV = "UNISON_LAUNCHER_THREADS"
 #: The launcher a served lighthouse ends with (`launch.lighthouse`).
 LIGHTHOUSE_PARENT_ENV = "UNISON_LIGHTHOUSE_PARENT"
 

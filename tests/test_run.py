@@ -271,3 +271,31 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_naming_it(pool2):
 
 def test_the_package_exports_run():
     assert unison.Run is Run
+
+
+def _sharded(tmp, opt_kind):
+    """Run(shard=True): FSDP2 on every rank; the user's model gets the trained weights back at the end."""
+    world = dist.get_world_size()
+    ds = _data(48)
+    original = _model(bn=False)
+    with Run(shard=True, path=tmp) as run:
+        model, opt = run.setup(original, _opt(original, opt_kind))
+        train = run.loader(DataLoader(ds, batch_size=4))
+        saved = run.checkpoint()
+        for _ in run.epochs(2):
+            model.train()
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+        fmt = run.host.checkpoint_format
+    weights = {k: v.detach().clone() for k, v in original.state_dict().items()}
+    expected = plain_loop(ds, global_bs=4 * world, epochs=2, bn=False, opt_kind=opt_kind)
+    dcp = saved.with_suffix(".dcp")
+    return _max_diff(weights, expected), fmt, dcp.is_dir() and (dcp / ".metadata").exists()
+
+
+def test_run_shard_true_trains_fsdp2_to_the_plain_loops_weights_with_dcp_checkpoints(pool2, tmp_path):
+    for diff, fmt, dcp_written in pool2.run(_sharded, str(tmp_path), "adamw"):
+        assert fmt == "dcp" and dcp_written
+        assert diff < TOL

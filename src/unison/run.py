@@ -29,6 +29,7 @@ weighs ranks, not items), `fault_tolerant=True` (the Learner has it: `distrib_ct
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,11 @@ class Run:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"Run.setup(model, opt): opt must be a torch optimizer, got {type(opt).__name__}")
         host.model, host.opt, host.lr = model, opt, opt.defaults.get("lr")
-        # (FSDP2 rebuilds the optimizer over the shards: the same kind, the same hyper-parameters.)
-        host.opt_func = lambda params, lr=None: type(opt)(params, **opt.defaults)
+        # (FSDP2 rebuilds the optimizer over the shards: the same kind, the same hyper-parameters, of
+        # those its constructor takes; every group's own values are copied over after.)
+        accepted = inspect.signature(type(opt)).parameters
+        options = {k: v for k, v in opt.defaults.items() if k in accepted}
+        host.opt_func = lambda params, lr=None: type(opt)(params, **options)
         attach_if_checking(host)  # only under `unison check-exact`: records the first steps
         engine.attach_strategy(host, host.config)
         self._open = True

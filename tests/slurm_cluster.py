@@ -36,6 +36,8 @@ CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
 CPUS = 4  # declared (config_overrides): 4 tasks fit on a 2-core machine
 CRED_EXPIRE_S = 5  # the least SLURM takes ("AuthInfo=cred_expire=2 invalid")
 _PR_SET_PDEATHSIG = 1
+# Reasons a pending job gives when it can never start on this cluster (too many nodes, ...).
+_NEVER = {"PartitionNodeLimit", "PartitionConfig", "BadConstraints", "ReqNodeNotAvail"}
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
@@ -253,6 +255,8 @@ class SlurmCluster:
             info = self.job(job)
             if info.get("JobState") in states:
                 return info
+            if info.get("JobState") == "PENDING" and info.get("Reason") in _NEVER:
+                raise RuntimeError(f"job {job} can never start here ({info['Reason']}): {info}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job} still {info.get('JobState')} after {timeout:.0f} s: {info}")
             time.sleep(0.2)

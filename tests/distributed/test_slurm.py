@@ -299,3 +299,44 @@ def test_the_real_scontrol_requeue_restarts_the_job_where_it_stopped(slurm, tmp_
     expected = plain_weights("sgd", epochs=3)
     print(f"requeued and resumed: {max(max_diff(r['weights'], expected) for r in got):.1e} from one process")
     assert all(max_diff(r["weights"], expected) < 1e-6 for r in got)
+
+
+def submit_dir(tmp_path: Path) -> Path:
+    """A folder to submit from, as a user's checkout: `examples/` as in the repository."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT_S)
+def test_the_shipped_batch_script_runs_as_is_on_one_node(slurm, tmp_path):
+    """`sbatch examples/slurm/train.sbatch` as shipped (it asked for 2 nodes: refused on a one-node
+    cluster), one epoch (its arguments go to the training script): it trains examples/train_digits.py
+    on 2 tasks and writes the model and the loss plot under runs/slurm-<job>."""
+    here = submit_dir(tmp_path)
+    job = slurm.sbatch(["examples/slurm/train.sbatch", "--epochs", "1"], cwd=here, env=job_env())
+    out = here / f"unison-digits-{job}.out"
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    assert re.search(r"valid_accuracy 0\.\d+", info["output"]), info["output"][-3000:]
+    run = here / "runs" / f"slurm-{job}"
+    assert (run / "models" / "digits.pth").exists() and (run / "loss.png").exists()
+
+
+@pytest.mark.slow
+def test_the_shipped_batch_script_names_what_is_missing_before_training(slurm, tmp_path):
+    """Without the examples' extras (`pip install unison` alone: no matplotlib for the loss plot),
+    the job fails at once naming them, not with a ModuleNotFoundError after training."""
+    here = submit_dir(tmp_path)
+    hidden = tmp_path / "hide"  # first on the path: `import matplotlib` fails as if not installed
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\")\n"
+    )
+    env = job_env(PYTHONPATH=f"{hidden}:{os.environ.get('PYTHONPATH', '')}")
+    job = slurm.sbatch(["examples/slurm/train.sbatch", "--epochs", "1"], cwd=here, env=env)
+    info = ended(slurm, job, here / f"unison-digits-{job}.out")
+    assert info["JobState"] == "FAILED", info["output"][-3000:]
+    assert "train.sbatch: matplotlib missing" in info["output"], info["output"][-3000:]
+    assert "pip install 'unison[examples]'" in info["output"]
+    assert not (here / "runs" / f"slurm-{job}" / "models").exists()  # nothing trained

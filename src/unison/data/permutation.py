@@ -227,9 +227,9 @@ def pick_order(order: str, sampler: Any, batch_size: int | None, announce: bool 
         return "torch"
     if announce:
         print(
-            f"[unison] shuffling {n:,} items: torch's permutation would take {8 * n / 2**30:.1f} GiB per rank "
-            f'(over {ORDER_MEMORY_BYTES / 2**30:g} GiB), so the order is a constant-memory seeded bijection; '
-            'order="torch" keeps torch\'s',
+            f"[unison] shuffling {n:,} items: torch's permutation would take {8 * n / 2**30:.1f} GiB "
+            f"per rank (over {ORDER_MEMORY_BYTES / 2**30:g} GiB), so the order is a constant-memory "
+            'seeded bijection; order="torch" keeps torch\'s',
             file=sys.stderr,
             flush=True,
         )

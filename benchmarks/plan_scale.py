@@ -97,7 +97,9 @@ def main() -> None:
     parser.add_argument("--bs", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--walk", type=int, default=1000, help="batches walked after the first (scalable)")
-    parser.add_argument("--max-gb", type=float, default=6.0, help="skip a planner needing more (shared machine)")
+    parser.add_argument(
+        "--max-gb", type=float, default=6.0, help="skip a planner needing more (shared machine)"
+    )
     parser.add_argument("--child", choices=list(LABELS))
     parser.add_argument("--items", type=int)
     args = parser.parse_args()

@@ -1,10 +1,13 @@
 """DistributedDL with the constant-memory order: W processes take exactly one process's batches,
 every item once, padding as the SPEC says, and a resumed step computed from its number alone."""
 
+import contextlib
+import io
 import math
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from unison.data import DistributedDL, permutation
@@ -126,3 +129,52 @@ def test_scalable_refuses_a_weighted_sampler():
     dl = DataLoader(range(10), batch_size=2, sampler=torch.utils.data.WeightedRandomSampler(weights, 10))
     with pytest.raises(ValueError, match='order="scalable" shuffles every item once.*WeightedRandomSampler'):
         DistributedDL(dl, 0, 2, seed=0, order="scalable")
+
+
+def _train_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 3, generator=g)  # 60 items, global batch 8: the last step has 4
+    return TensorDataset(x, (x[:, 0] - x[:, 1] > 0).long())
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+OPTS = {
+    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
+}
+
+
+def _fit_on_ranks(opt):
+    """A Learner on every rank of the pool, its train loader shuffled by ScalableRandomSampler."""
+    from unison import DataLoaders, Learner
+
+    ds = _train_data()
+    dls = DataLoaders(DataLoader(ds, batch_size=4, sampler=ScalableRandomSampler(ds)), None)
+    learn = Learner(dls, _model(), nn.CrossEntropyLoss(), opt_func=OPTS[opt], lr=0.05)
+    learn.data_seed = SEED
+    learn.recorder.print_table = False
+    with contextlib.redirect_stdout(io.StringIO()), learn.distrib_ctx():
+        learn.fit(2)
+    return {k: v.clone() for k, v in learn.raw_model.state_dict().items()}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_training_on_two_processes_ends_on_the_plain_loops_weights(pool2, opt):
+    """2 ranks x batch 4 in the constant-memory order = one process, batch 8, the same order."""
+    ds = _train_data()
+    model = _model()
+    optimizer = OPTS[opt](model.parameters(), 0.05)
+    for epoch in range(2):
+        g = torch.Generator().manual_seed(_mix(SEED, epoch))
+        for xb, yb in DataLoader(ds, batch_size=8, sampler=ScalableRandomSampler(ds, generator=g)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    expected = model.state_dict()
+    for weights in pool2.run(_fit_on_ranks, opt):
+        for name, value in weights.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ global batch grows with W; samples/s is over the epochs after the first. In each
 
 Communication, measured inside the same processes after training:
 - gradient all-reduce share: forward+backward steps timed with DDP's all-reduce and under
-  `no_sync()`, alternating (6 x 4 steps each); 1 minus their ratio. Both peers.
+  `no_sync()`, alternating (CNN 6 x 4 steps each, MLP 3 x 2); 1 minus their ratio. Both peers.
 - BatchNorm share (unison's exact BatchNorm, the CNN): the wall time inside its statistics'
   collectives during the timed epochs (`unison.distributed.sync_bn`'s `torch.distributed` calls
   timed, as benchmarks/sync_bn_profile.py does), over the step time; the calls and bytes a step
@@ -36,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CNN_BS, MLP_BS, MLP_STEPS, EPOCHS = 32, 16, 4, int(os.environ.get("EPOCHS", "3"))
+PROBE = {"cnn": (6, 4), "mlp50m": (3, 2)}  # the all-reduce probe: alternations, steps each
 MLP_GB_PER_PROCESS = 1.6  # 50M params: weights, gradients, DDP buckets, AdamW state, torch itself
 PEERS = {"hand": "hand-written DDP loop", "unison": "unison `distrib_ctx()`"}
 WORKLOADS = {
@@ -83,17 +84,18 @@ def _setup(workload: str, world: int):
     return _model()[0], x, y, (torch.optim.AdamW, 1e-4, {}), MLP_BS
 
 
-def _grad_share(ddp, opt, loss_func, xb, yb) -> float:
-    """1 - (forward+backward under no_sync) / (the same with DDP's gradient all-reduce)."""
+def _grad_share(ddp, opt, loss_func, xb, yb, rounds: int, steps: int) -> float:
+    """1 - (forward+backward under no_sync) / (the same with DDP's gradient all-reduce), `rounds`
+    alternations of `steps` steps each."""
     import torch.distributed as dist
 
     timed = {"sync": 0.0, "local": 0.0}
-    for _ in range(6):
+    for _ in range(rounds):
         for mode in timed:
             dist.barrier()
             start = time.perf_counter()
             with ddp.no_sync() if mode == "local" else contextlib.nullcontext():
-                for _ in range(4):
+                for _ in range(steps):
                     opt.zero_grad(set_to_none=True)
                     loss_func(ddp(xb), yb).backward()
             timed[mode] += time.perf_counter() - start
@@ -137,7 +139,7 @@ def hand_worker(workload: str) -> None:
             opt.step()
         times.append(time.perf_counter() - start)
     xb, yb = next(iter(dl))
-    share = _grad_share(ddp, opt, loss_func, xb, yb) if dist.get_world_size() > 1 else 0.0
+    share = _grad_share(ddp, opt, loss_func, xb, yb, *PROBE[workload]) if dist.get_world_size() > 1 else 0.0
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     _report("hand", workload, times, len(dl), bs, {"grad_share": share, "grad_bytes": grad_bytes})
     dist.destroy_process_group()
@@ -189,7 +191,8 @@ def unison_worker(workload: str) -> None:
         }
         share = 0.0
         if num_distrib() > 1:
-            share = _grad_share(learn.model, learn.opt, nn.CrossEntropyLoss(), x[:bs], y[:bs])
+            probe = (learn.model, learn.opt, nn.CrossEntropyLoss(), x[:bs], y[:bs], *PROBE[workload])
+            share = _grad_share(*probe)
         extra["grad_share"] = share
         _report("unison", workload, measure.times, steps, bs, extra)
         dist.barrier()

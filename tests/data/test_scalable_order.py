@@ -178,3 +178,51 @@ def test_training_on_two_processes_ends_on_the_plain_loops_weights(pool2, opt):
     for weights in pool2.run(_fit_on_ranks, opt):
         for name, value in weights.items():
             torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+class _Crash(Exception):
+    """Stands for a crash mid-epoch (not a cancel exception: fit ends at once)."""
+
+
+def _checkpointed_learner(path, init_seed=0):
+    from unison import Checkpoint, DataLoaders, Learner
+
+    ds = _train_data()
+    dls = DataLoaders(DataLoader(ds, batch_size=8, sampler=ScalableRandomSampler(ds)), None)
+    torch.manual_seed(init_seed)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+    learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=0.05, path=path, cbs=[Checkpoint(every=1)])
+    learn.data_seed = SEED
+    learn.recorder.print_table = False
+    return learn
+
+
+def test_a_learner_stopped_mid_epoch_resumes_on_the_uninterrupted_weights(tmp_path):
+    from unison import Callback
+
+    class CrashAt(Callback):
+        order = 95  # after Checkpoint wrote this batch's state
+
+        def __init__(self, at):
+            self.at, self.count = at, 0
+
+        def after_batch(self):
+            self.count += self.learn.training
+            if self.count == self.at:
+                raise _Crash()
+
+    reference = _checkpointed_learner(tmp_path / "ref")
+    with contextlib.redirect_stdout(io.StringIO()):
+        reference.fit(2)
+    assert reference._shard(reference.dls.train, pad=False).order == "scalable"
+    expected = reference.raw_model.state_dict()
+    for at in (3, 8, 11):  # 8 steps an epoch: mid first epoch, first step of the second, mid second
+        first = _checkpointed_learner(tmp_path / f"at{at}")
+        with contextlib.redirect_stdout(io.StringIO()), pytest.raises(_Crash):
+            first.fit(2, cbs=[CrashAt(at)])
+        resumed = _checkpointed_learner(tmp_path / f"at{at}", init_seed=99)
+        resumed.data_seed = 5  # the checkpoint restores the seed of the order
+        with contextlib.redirect_stdout(io.StringIO()):
+            resumed.fit(2, resume=True)
+        got = resumed.raw_model.state_dict()
+        assert all(torch.equal(got[k], expected[k]) for k in expected), at

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from unison.launch.bar_relay import BarRelay
 from unison.launch.environ import exported, quiet_torch_logs
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.lighthouse import (
@@ -461,11 +462,18 @@ def launch(opts: LaunchOptions) -> int:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with served_lighthouse(opts.replica) as lighthouse, WatchWorkers(), plan.logs.console_guard():
+        relay = _bar_relay(plan.logs)
+        with (
+            served_lighthouse(opts.replica) as lighthouse,
+            WatchWorkers(),
+            plan.logs.console_guard(),
+            relay.console() if relay else contextlib.nullcontext(),
+        ):
             if lighthouse:  # --start-lighthouse: serves the other replica groups' launches too
                 print(f"unison launch: lighthouse serving at {lighthouse}", file=sys.stderr, flush=True)
                 plan.env[LIGHTHOUSE_ENV] = lighthouse
-            with _heartbeats(opts) as beats, exported({**plan.env, **beats}):
+            bars = relay.env() if relay else {}
+            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars}):
                 launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
@@ -531,6 +539,16 @@ def _silent_error_text(name: str, opts: LaunchOptions) -> str:
     if name == "RendezvousClosedError":
         return "the job's rendezvous was closed: another node ended the job (see its output)"
     return "(torch gave no message)"
+
+
+def _bar_relay(logs: RankLogsSpecs) -> BarRelay | None:
+    """Rank 0's bars drawn on the launcher's terminal, when its stderr is one and shows rank 0's."""
+    from torch.distributed.elastic.multiprocessing.api import Std
+
+    relay = BarRelay.for_terminal(sys.stderr) if logs.on_console(0, Std.ERR) else None
+    if relay is not None:
+        logs.on_attempt = relay.clear  # a restarted rank 0's old bars are stale
+    return relay
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

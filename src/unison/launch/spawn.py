@@ -27,6 +27,7 @@ import torch
 from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import huge_pages_env, threads_per_worker
 from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.bar_relay import BarRelay
 
 START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
@@ -92,11 +93,17 @@ def spawn(
             "start_method='spawn'"
         )
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
+    # From a terminal, the workers' output is forwarded a line at a time, prefixed with the rank,
+    # and rank 0's bars are drawn below it (as `unison launch` does); elsewhere (a notebook, a
+    # pipe) the workers write to the caller's stdout and stderr themselves.
+    relay = BarRelay.for_terminal(sys.stderr)
+    forwarded = {"redirects": Std.ALL, "tee": Std.ALL} if relay else {}
+    logs_specs = DefaultLogsSpecs(log_dir=log_dir, **forwarded)
     # Forking: torch's launcher asks torch.cuda.is_available() (LaunchConfig, the agent), which
     # initialises CUDA unless answered by NVML; the children could not use their GPUs then.
     fork_safe = cuda_check_without_init if method == "fork" else contextlib.nullcontext
@@ -114,11 +121,16 @@ def spawn(
             local_addr="127.0.0.1",
             max_restarts=max_restarts,
             start_method=method,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            logs_specs=logs_specs,
+            log_line_prefix_template="[rank${rank}] " if relay else None,
             shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
         )
     try:
-        with _agent_state(), fork_safe():
+        with (
+            _agent_state(relay.env() if relay else {}),
+            fork_safe(),
+            relay.console() if relay else contextlib.nullcontext(),
+        ):
             run = elastic_launch(config, _worker)
             results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
     except ChildFailedError as exc:
@@ -169,18 +181,20 @@ def _with_index(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 
 @contextlib.contextmanager
-def _agent_state() -> Iterator[None]:
-    """Set up the caller for torch's agent, and put back what the agent changes (signals, environment)."""
+def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
+    """Set up the caller for torch's agent (and `extra_env` for the workers), and put back what the
+    agent changes (signals, environment)."""
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
     # group the user makes on a port of their choosing (seed 003) would wait forever for a server.
     huge_pages = huge_pages_env()  # as `unison launch` exports (a fresh interpreter reads it at start)
-    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages)
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages, *extra_env)
     saved_env = {name: os.environ.get(name) for name in names}
     in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
     saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.update(huge_pages)
+    os.environ.update(extra_env)
     try:
         yield
     finally:

@@ -218,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("gloo", "nccl"),
         help="process-group backend for every worker (gloo: train on the CPUs of a GPU machine)",
     )
-    add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
+    add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs (and torchft's)")
     add("script", help="the training script (a module with -m, a program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     add_torchrun_options(p)
@@ -358,6 +358,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
+    if opts.verbose:  # torchft's own INFO lines and tracebacks too, under fault tolerance
+        env["UNISON_FT_VERBOSE"] = "1"
     if opts.backend is not None:
         from unison.distributed.devices import BACKEND_ENV
 

@@ -1,0 +1,50 @@
+"""How much of torchft's own logging a fault-tolerant replica shows: `quiet_torchft`.
+
+By default a replica's log holds unison's one-line events (started, left, redone, joined,
+healed) and torchft's warnings. torchft's Rust side logs about four INFO lines per step (its
+quorums and commit votes), and its Python `Manager` logs an error *with a traceback* when a
+collective fails on a lost peer (gloo's "Connection closed by peer"), which unison then handles
+by redoing the step. Those are kept for when they help: `verbose=True`
+(`distrib_ctx(fault_tolerant={"verbose": True})`), `UNISON_FT_VERBOSE=1`, or `unison launch -v`.
+
+>>> quiet_torchft(verbose=False)   # before torchft starts: RUST_LOG=warn, tracebacks folded to one line
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+#: Set (to anything but "" or "0") to show torchft's INFO logs and its tracebacks.
+VERBOSE_ENV = "UNISON_FT_VERBOSE"
+
+__all__ = ["VERBOSE_ENV", "quiet_torchft"]
+
+
+def quiet_torchft(verbose: bool | None = None) -> bool:
+    """Unless `verbose` (default: `UNISON_FT_VERBOSE`), keep torchft's INFO lines and tracebacks out
+    of the log. Call before torchft's Manager starts (its Rust logger reads `RUST_LOG` then); a
+    `RUST_LOG` the user set is kept. Returns whether torchft stays verbose."""
+    if verbose is None:
+        verbose = os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    if verbose:
+        return True
+    os.environ.setdefault("RUST_LOG", "warn")
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _OneLine) for f in logger.filters):
+        logger.addFilter(_OneLine())
+    return False
+
+
+class _OneLine(logging.Filter):
+    """An error logged with a traceback becomes one line: the message and the exception's first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            record.msg = (
+                f"{record.getMessage()} ({type(exc).__name__}: {first}; {VERBOSE_ENV}=1 shows the traceback)"
+            )
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True

@@ -1,0 +1,108 @@
+"""What fault-tolerant replicas show: their tables agree with each other and with one process, their
+start-up lines say what happened, and torchft's INFO lines stay out unless asked for.
+
+Two replica groups started together under `unison launch` (one serving the lighthouse with the
+timing options), and the plain one-process run they are compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unison.launch.launcher import parse_options
+from unison.launch.options import LaunchError
+
+pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "fault_scripts" / "ft_table.py")
+LAUNCH = [sys.executable, "-m", "unison.launch"]
+WAIT_S = 180
+
+
+def test_start_lighthouse_takes_the_lighthouse_timings_and_refuses_them_alone_or_below_1_ms():
+    opts = parse_options(
+        ["--start-lighthouse", "--lighthouse-port", "0", "--lighthouse-join-timeout-ms", "300",
+         "--lighthouse-quorum-tick-ms", "20", "--lighthouse-heartbeat-timeout-ms", "4000", SCRIPT]
+    )  # fmt: skip
+    assert (opts.replica.join_timeout_ms, opts.replica.quorum_tick_ms, opts.replica.heartbeat_timeout_ms) == (
+        300,
+        20,
+        4000,
+    )
+    with pytest.raises(LaunchError, match="^--lighthouse-join-timeout-ms needs --start-lighthouse"):
+        parse_options(["--lighthouse-join-timeout-ms", "300", SCRIPT])
+    with pytest.raises(
+        LaunchError, match=r"^--lighthouse-quorum-tick-ms must be at least 1 \(milliseconds\), got 0"
+    ):
+        parse_options(
+            ["--start-lighthouse", "--lighthouse-port", "0", "--lighthouse-quorum-tick-ms", "0", SCRIPT]
+        )
+
+
+def values(log: str) -> dict:
+    found = re.search(r"VALUES (\{.*\})", log)
+    assert found, log[-3000:]
+    return json.loads(found.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT_S + 60)
+def test_replicas_started_together_print_the_same_table_as_one_process_and_say_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RUST_LOG", "UNISON_FT_VERBOSE")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b")}
+    ft = [SCRIPT, "--start-replicas", "2"]
+    serve = ["--start-lighthouse", "--lighthouse-port", "0", "--min-replicas", "2"]
+    serve += ["--lighthouse-join-timeout-ms", "500", "--lighthouse-quorum-tick-ms", "50"]
+    procs = []
+    try:
+        with open(logs["a"], "w") as out:
+            procs.append(
+                subprocess.Popen([*LAUNCH, *serve, "--replica-id", "a", *ft], stdout=out, stderr=out, env=env)
+            )
+        deadline = time.monotonic() + 60
+        while not (address := re.search(r"lighthouse serving at (http://\S+)", logs["a"].read_text())):
+            assert procs[0].poll() is None and time.monotonic() < deadline, logs["a"].read_text()
+            time.sleep(0.1)
+        with open(logs["b"], "w") as out:
+            cmd = [*LAUNCH, "--lighthouse", address.group(1), "--replica-id", "b", *ft]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=out, env=env))
+        plain = subprocess.run(
+            [sys.executable, SCRIPT, "--plain"], capture_output=True, text=True, timeout=WAIT_S
+        )
+        for proc in procs:
+            proc.wait(timeout=WAIT_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    shown = {name: path.read_text() for name, path in logs.items()}
+    for proc, name in zip(procs, shown, strict=True):
+        assert proc.returncode == 0, shown[name][-3000:]
+    assert plain.returncode == 0, plain.stderr
+    got = {name: values(text) for name, text in shown.items()}
+    want = values(plain.stdout)
+    # train_loss is the whole global batch's: the same on both replicas, and the plain run's
+    assert got["a"]["values"] == got["b"]["values"]
+    assert got["a"]["losses"] == got["b"]["losses"]
+    for row, plain_row in zip(got["a"]["values"], want["values"], strict=True):
+        assert row == pytest.approx(plain_row, rel=1e-6), (got, want)
+    assert got["a"]["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    # one line each says they started together; one took the other's initial weights (not a recovery)
+    for name, text in shown.items():
+        assert f"unison: replica {name}: started with replicas a, b at epoch 0 step 0" in text, text[-3000:]
+        assert "healed from a live peer" not in text
+        assert "[INFO]" not in text and "torchft::manager" not in text  # torchft's per-step lines stay out
+    took = [
+        n for n, text in shown.items() if "'s weights and optimizer state, so all start identical" in text
+    ]
+    assert len(took) <= 1, shown

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from unison.launch.launcher import parse_options
@@ -106,3 +107,44 @@ def test_replicas_started_together_print_the_same_table_as_one_process_and_say_s
         n for n, text in shown.items() if "'s weights and optimizer state, so all start identical" in text
     ]
     assert len(took) <= 1, shown
+
+
+def test_a_launch_shares_the_cores_with_the_workers_of_other_launches_and_says_so(tmp_path):
+    """A stand-in for another launch (a process whose 2 children run `-m unison.launch.worker`):
+    this launch's plan divides the cores among its worker and theirs, and one line says so. (Other
+    launches on this machine, such as other test runs, may add to the count: compared as bounds.)"""
+    from unison.distributed.env import threads_per_worker
+    from unison.launch.launcher import plan_launch
+    from unison.launch.neighbours import other_launches
+
+    worker = "[sys.executable, '-c', 'import time; time.sleep(60)', '-m', 'unison.launch.worker']"
+    child = f"import subprocess, sys, time\nw = [subprocess.Popen({worker}) for _ in range(2)]\n"
+    other = subprocess.Popen(
+        [sys.executable, "-c", child + "print('up', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        assert other.stdout.readline().strip() == "up"
+        assert other_launches()[other.pid] == 2
+        plan = plan_launch(parse_options(["--nproc", "1", SCRIPT]), str(tmp_path))
+        assert 1 <= int(plan.env["OMP_NUM_THREADS"]) <= threads_per_worker(3)
+        [note] = plan.notes
+        found = re.fullmatch(
+            r"unison launch: note: (\d+) other launch(?:es)? here runs? (\d+) worker\(s\); "
+            r"the cores are shared among all (\d+) \((\d+) thread\(s\) each; OMP_NUM_THREADS chooses\)",
+            note,
+        )
+        assert found, note
+        launches, workers, total, threads = map(int, found.groups())
+        assert launches >= 1 and workers >= 2 and total == workers + 1
+        assert threads == int(plan.env["OMP_NUM_THREADS"]) == threads_per_worker(total)
+    finally:
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
+        for proc in psutil.Process(other.pid).children():
+            proc.kill()
+        other.kill()
+        other.wait()
+    assert other.pid not in other_launches()

@@ -41,6 +41,7 @@ from unison.launch.lighthouse import (
     replica_options,
     served_lighthouse,
 )
+from unison.launch.neighbours import other_launches, sharing_note
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import (
     LaunchError,
@@ -330,6 +331,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     logs: RankLogsSpecs | None = None
     gloo_interface: str | None = None
+    notes: list[str] = field(default_factory=list)  # lines printed after `describe`'s
 
     def describe(self, opts: LaunchOptions) -> str:
         """One line about the launch, for the console."""
@@ -354,7 +356,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    others = {} if os.environ.get("OMP_NUM_THREADS") else other_launches()  # their workers share the cores
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
+        threads_per_worker(opts.nproc + sum(others.values()))
+    )
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
@@ -429,7 +434,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.legacy_local_rank:  # where torch.distributed.launch put it: before the script's args
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
-    return LaunchPlan(config=config, args=args, env=env, logs=logs, gloo_interface=gloo)
+    note = sharing_note(others, opts.nproc, int(env["OMP_NUM_THREADS"]))
+    return LaunchPlan(
+        config=config, args=args, env=env, logs=logs, gloo_interface=gloo, notes=[note] if note else []
+    )
 
 
 def launch(opts: LaunchOptions) -> int:
@@ -460,6 +468,8 @@ def launch(opts: LaunchOptions) -> int:
         for note in opts.torchrun.notes:
             print(f"unison launch: note: {note}", file=sys.stderr, flush=True)
         print(plan.describe(opts), file=sys.stderr, flush=True)
+        for note in plan.notes:
+            print(note, file=sys.stderr, flush=True)
         if keep_logs and not opts.log_dir:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):

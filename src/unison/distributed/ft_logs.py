@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 #: Set (to anything but "" or "0") to show torchft's INFO logs and its tracebacks.
 VERBOSE_ENV = "UNISON_FT_VERBOSE"
@@ -30,6 +31,8 @@ def quiet_torchft(verbose: bool | None = None) -> bool:
     if verbose:
         return True
     os.environ.setdefault("RUST_LOG", "warn")
+    # torch's warning when torchft's checkpoint transport rebuilds a received state (once, harmless)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
     logger = logging.getLogger("torchft.manager")
     if not any(isinstance(f, _OneLine) for f in logger.filters):
         logger.addFilter(_OneLine())
@@ -37,9 +40,12 @@ def quiet_torchft(verbose: bool | None = None) -> bool:
 
 
 class _OneLine(logging.Filter):
-    """An error logged with a traceback becomes one line: the message and the exception's first line."""
+    """An error logged with a traceback becomes one line: the message and the exception's first line
+    (and torchft's note about NCCL's flight recorder, which it gives at every start, is dropped)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if "NCCL flight recorder" in record.getMessage():  # said at every start, about NCCL, on gloo too
+            return False
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             first = (str(exc).strip().splitlines() or [""])[0][:200]

@@ -148,3 +148,42 @@ def test_a_launch_shares_the_cores_with_the_workers_of_other_launches_and_says_s
         other.kill()
         other.wait()
     assert other.pid not in other_launches()
+
+
+def test_torchft_tracebacks_fold_to_one_line_and_its_info_lines_go_unless_verbose(monkeypatch, caplog):
+    """What a survivor logs at a lost peer: torchft's `Manager.exception` (a gloo error) becomes one
+    line naming the switch; `verbose` keeps the traceback; RUST_LOG=warn unless the user set it."""
+    import logging
+
+    from unison.distributed.ft_logs import VERBOSE_ENV, quiet_torchft
+
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    logger = logging.getLogger("torchft.manager")
+    monkeypatch.setattr(logger, "filters", [])  # (the logger's own list: restored after the test)
+
+    def lost_peer() -> None:
+        try:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:10442.\nmore")
+        except RuntimeError as exc:
+            logger.exception(f"[a/0 - step 8] got exception waiting for work {exc}")
+
+    assert quiet_torchft(verbose=True) is True and "RUST_LOG" not in os.environ
+    with caplog.at_level(logging.INFO, logger="torchft.manager"):
+        lost_peer()
+    assert caplog.records[-1].exc_info is not None  # verbose: the traceback stays
+    caplog.clear()
+    assert quiet_torchft() is False and os.environ["RUST_LOG"] == "warn"
+    with caplog.at_level(logging.INFO, logger="torchft.manager"):
+        lost_peer()
+        logger.warning("Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        logger.warning("a real torchft warning")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[a/0 - step 8] got exception waiting for work [pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:10442. [UNISON_FT_VERBOSE=1 shows the traceback]",
+        "a real torchft warning",
+    ]
+    assert all(r.exc_info is None for r in caplog.records)
+    monkeypatch.setenv("RUST_LOG", "debug")
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "debug"  # the user's choice is kept

@@ -48,9 +48,11 @@ class _OneLine(logging.Filter):
             return False
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            record.msg = (
-                f"{record.getMessage()} ({type(exc).__name__}: {first}; {VERBOSE_ENV}=1 shows the traceback)"
-            )
+            said = (record.getMessage().strip().splitlines() or [""])[0]
+            first = (str(exc).strip().splitlines() or [""])[0]
+            if first and first[:80] not in said:  # (torchft's message often quotes the error already)
+                said += f" ({type(exc).__name__}: {first})"
+            said = said if len(said) <= 300 else said[:297] + "..."
+            record.msg = f"{said} [{VERBOSE_ENV}=1 shows the traceback]"
             record.args, record.exc_info, record.exc_text = None, None, None
         return True

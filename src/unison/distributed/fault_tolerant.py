@@ -39,6 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.callbacks.core import Callback
 from unison.data.batch import batch_size_of, map_tensors
+from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.launch.lighthouse import LIGHTHOUSE_ENV, REPLICA_ENV, lighthouse_main, start_lighthouse
 
 __all__ = [
@@ -172,8 +173,6 @@ class FaultTolerantTrainer(Callback):
         rank 0 hosts, and a torchft `Manager` on every rank (group rank, G), all under one replica id."""
         from torch.distributed import TCPStore
 
-        from unison.distributed.ft_logs import quiet_torchft
-
         quiet_torchft(self.verbose)  # before torchft's Rust logger starts
         from torchft import Manager, ProcessGroupGloo
 
@@ -271,18 +270,8 @@ class FaultTolerantTrainer(Callback):
         self._position = (learn.start_epoch, learn.start_iter)
         self._quorum()
         self._wait_for_start_replicas()
-        healed, (epoch, step) = self._healed_to, self._healed_to or self._position
-        together = f"replicas {', '.join(sorted(set(self._witness.replica_ids)))}"
-        if healed is not None and healed != self._position:  # behind its peers: a recovery
-            source = f" (replica {self._witness.healed_from})" if self._witness.healed_from else ""
-            self._say(f"healed from a live peer{source}: joins at epoch {epoch} step {step}")
-        elif healed is not None:  # at its peers' step already: they started together
-            self._say(
-                f"started with {together} at epoch {epoch} step {step}; took replica "
-                f"{self._witness.healed_from or '?'}'s weights and optimizer state, so all start identical"
-            )
-        else:
-            self._say(f"started with {together} at epoch {epoch} step {step}")
+        healed, witness = self._healed_to, self._witness
+        self._say(start_line(self._position, healed, witness.replica_ids, witness.healed_from))
         if healed is not None:
             learn.start_epoch, learn.start_iter = self._healed_to
             self.events["healed_at"] = self._healed_to

@@ -1,4 +1,5 @@
-"""How much of torchft's own logging a fault-tolerant replica shows: `quiet_torchft`.
+"""What a fault-tolerant replica's log says: `quiet_torchft` (how much of torchft's own logging shows)
+and `start_line` (its first event).
 
 By default a replica's log holds unison's one-line events (started, left, redone, joined,
 healed) and torchft's warnings. torchft's Rust side logs about four INFO lines per step (its
@@ -19,7 +20,7 @@ import warnings
 #: Set (to anything but "" or "0") to show torchft's INFO logs and its tracebacks.
 VERBOSE_ENV = "UNISON_FT_VERBOSE"
 
-__all__ = ["VERBOSE_ENV", "quiet_torchft"]
+__all__ = ["VERBOSE_ENV", "quiet_torchft", "start_line"]
 
 
 def quiet_torchft(verbose: bool | None = None) -> bool:
@@ -37,6 +38,25 @@ def quiet_torchft(verbose: bool | None = None) -> bool:
     if not any(isinstance(f, _OneLine) for f in logger.filters):
         logger.addFilter(_OneLine())
     return False
+
+
+def start_line(
+    position: tuple[int, int], healed: tuple[int, int] | None, replicas: list[str], source: str | None
+) -> str:
+    """A replica's first line: where it starts and with whom. `healed`: the position torchft gave it
+    from replica `source` (None: none); a heal to a later position than its own is a recovery.
+
+    >>> start_line((0, 0), (0, 0), ["a", "b"], "a")[:64]
+    "started with replicas a, b at epoch 0 step 0; took replica a's w"
+    """
+    epoch, step = healed or position
+    if healed is not None and healed != position:  # behind its peers: a recovery
+        source = f" (replica {source})" if source else ""
+        return f"healed from a live peer{source}: joins at epoch {epoch} step {step}"
+    line = f"started with replicas {', '.join(sorted(set(replicas)))} at epoch {epoch} step {step}"
+    if healed is not None:  # at its peers' position already: they started together
+        line += f"; took replica {source or '?'}'s weights and optimizer state, so all start identical"
+    return line
 
 
 class _OneLine(logging.Filter):

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
-from unison.distributed.env import huge_pages_env, threads_per_worker
+from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.group import TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
+from unison.launch.rendezvous import WatchWorkers, heartbeat_store
 
 START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
@@ -126,8 +127,14 @@ def spawn(
             shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
         )
     try:
+        # As under `unison launch`: the heartbeat store lives here, not in rank 0 (a frozen rank 0
+        # would take down the store the others diagnose it with), and a stopped worker told to
+        # terminate is continued so it ends at once (torch's agent would wait 30 s to kill it).
+        bars = relay.env() if relay else {}
         with (
-            _agent_state(relay.env() if relay else {}),
+            heartbeat_store() as beats,
+            _agent_state({**beats, **bars}),
+            WatchWorkers(),
             fork_safe(),
             relay.console() if relay else contextlib.nullcontext(),
         ):
@@ -182,7 +189,7 @@ def _with_index(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 @contextlib.contextmanager
 def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
-    """Set up the caller for torch's agent (and `extra_env` for the workers), and put back what the
+    """Set up the caller for torch's agent (and the workers' `extra_env`), and put back what the
     agent changes (signals, environment)."""
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
@@ -250,9 +257,9 @@ def _check_picklable(obj: Any, fresh_interpreter: bool) -> None:
 
 
 def _threads(nprocs: int) -> int:
-    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores."""
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else threads_per_worker(nprocs)
+    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores
+    (inside a `unison launch` worker: of that worker's share)."""
+    return threads_for_spawned(nprocs)
 
 
 def _worker(

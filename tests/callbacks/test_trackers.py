@@ -235,3 +235,28 @@ def test_a_killed_run_resumed_continues_the_same_runs_without_a_gap_or_a_repeat(
     assert [v for _, v in mlflow_history(uri, ids["mlflow"], "epoch/valid_loss")] == pytest.approx(
         valid, rel=1e-5
     )
+
+
+@pytest.mark.slow
+def test_under_unison_launch_rank0_alone_logs_the_global_batch_losses(tmp_path, tracker_env):
+    """2 processes, each with half of every global batch of 4: one W&B run and one MLflow run (rank 0
+    logs), and their losses are the global batch's, the plain one-process loop's."""
+    uri = (tmp_path / "mlruns").as_uri()
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, **tracker_env}
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path / "run")]
+    done = subprocess.run([*cmd, "--mlflow", uri], env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ids = json.loads(done.stdout.split("[rank0] RUNS ", 1)[1].splitlines()[0])
+    assert "[rank1] RUNS " in done.stdout and len(list(tmp_path.glob("wandb/offline-run-*"))) == 1
+    losses, valid = plain_run("sgd")
+    rows, configs, _ = wandb_run(tmp_path, ids["wandb"])
+    check_steps(rows, losses)
+    assert configs[0]["world_size"] == 2 and configs[0]["global_batch"] == BS
+    client = mlflow_tracking.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("unison-tests")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["mlflow"]]
+    history = mlflow_history(uri, ids["mlflow"], "train/loss")
+    check_steps([(s, {"train/loss": v, "train/lr": LR}) for s, v in history], losses)
+    assert [v for _, v in mlflow_history(uri, ids["mlflow"], "epoch/valid_loss")] == pytest.approx(
+        valid, rel=1e-5
+    )

@@ -2,14 +2,17 @@
 
     python tracked.py --dir D --mlflow file:///tmp/mlruns [--slow-from 1] [--resume] [--opt adamw]
 
-8 training steps an epoch, 3 epochs, checkpointed every step. `--slow-from E` makes every step of
-epoch E and later take 0.5 s (a test kills the process there); `--resume` fits with resume=True.
-W&B is told where and how by its variables (WANDB_MODE=offline, WANDB_DIR). Prints `RUNS {json}`
-(the two run ids) at the end.
+8 training steps an epoch, 3 epochs, checkpointed every step. Under `unison launch --nproc 2` each
+process takes half of each global batch of 4 (inside `distrib_ctx`): the same run. `--slow-from E`
+makes every step of epoch E and later take 0.5 s (a test kills the process there); `--resume` fits
+with resume=True. W&B is told where and how by its variables (WANDB_MODE=offline, WANDB_DIR).
+Prints `RUNS {json}` (the two run ids) at the end.
 """
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import torch
@@ -27,6 +30,7 @@ parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd")
 args = parser.parse_args()
 
 EPOCHS, STEPS, BS = 3, 8, 4
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # processes under unison launch
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +49,7 @@ class Slow(Callback):
 set_seed(0)
 x, y = data()
 dls = DataLoaders(
-    DataLoader(TensorDataset(x[: STEPS * BS], y[: STEPS * BS]), batch_size=BS),
+    DataLoader(TensorDataset(x[: STEPS * BS], y[: STEPS * BS]), batch_size=BS // WORLD),
     DataLoader(TensorDataset(x[STEPS * BS :], y[STEPS * BS :]), batch_size=8),
 )
 model = nn.Linear(5, 1)
@@ -64,5 +68,6 @@ learn = Learner(
     path=args.dir,
 )
 learn.recorder.print_table = False
-learn.fit(EPOCHS, resume=args.resume)
+with learn.distrib_ctx() if WORLD > 1 else contextlib.nullcontext():
+    learn.fit(EPOCHS, resume=args.resume)
 print("RUNS " + json.dumps({"wandb": trackers[0].run_id, "mlflow": trackers[1].run_id}), flush=True)

@@ -119,3 +119,32 @@ def test_launch_through_a_pipe_draws_no_bar():
     both = proc.stdout + proc.stderr
     assert "[rank0] epoch     train_loss" in proc.stdout and "[rank1] RANK1 line at step 5" in proc.stdout
     assert "\r" not in both and "\x1b[" not in both and "train:" not in both and "epoch:" not in both, both
+
+
+def test_a_restart_takes_the_dead_attempts_bars_off_and_draws_the_new_ones():
+    """Rank 1 is killed at step 3 of the first attempt (rank 0's bars on screen), the launcher
+    restarts both: its restart line stands on a line of its own, and no bar of the dead attempt stays."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.launch",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        SCRIPT,
+        "--crash-at",
+        "3",
+    ]
+    code, shown = run_in_terminal(cmd)
+    assert code == 0, shown
+    final = screen(shown)
+    restart = [line for line in final if "restarting the workers" in line]
+    assert len(restart) == 1 and restart[0].startswith(
+        "unison launch: restarting the workers (restart 1 of 1)"
+    )
+    assert not any("train:" in line or "epoch:" in line for line in final[:-2]), "\n".join(final)
+    assert re.fullmatch(r"\[rank0\] epoch: 100%\|[^|]*\| 1/1 .*", final[-2]), "\n".join(final)
+    after = TRAIN_BAR.findall(shown[shown.index("restarting the workers") :])
+    assert after[0] == "0", after  # the dead attempt's bar (at step 3) was not drawn again
+    assert len(set(after)) >= 3  # the new attempt's bars, live again

@@ -5,8 +5,12 @@ while rank 0's bars are drawn.
 
     unison launch --nproc 2 tests/scripts/progress_bars.py     # under the launcher
     python tests/scripts/progress_bars.py --spawn              # under unison.spawn (2 processes)
+    unison launch --nproc 2 --max-restarts 1 tests/scripts/progress_bars.py --crash-at 3
+                                     # rank 1 dies at step 3 of the first attempt; the restart runs whole
 """
 
+import os
+import signal
 import sys
 import time
 
@@ -21,8 +25,19 @@ from unison.distributed import rank_distrib
 STEPS = 6  # training steps per rank: 48 items, 2 ranks, batch 4
 
 
+CRASH_AT = int(sys.argv[sys.argv.index("--crash-at") + 1]) if "--crash-at" in sys.argv else -1
+FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
 class SlowSteps(Callback):
     def after_batch(self) -> None:
+        if (
+            self.learn.training
+            and self.learn.train_iter == CRASH_AT
+            and FIRST_ATTEMPT
+            and rank_distrib() == 1
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.15)  # long enough for the relay to see several redraws of the bar
         if rank_distrib() == 1 and self.learn.training:
             print(f"RANK1 line at step {self.learn.train_iter}", flush=True)

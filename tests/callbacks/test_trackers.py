@@ -135,6 +135,7 @@ def check_steps(rows: list[tuple[int, dict]], losses: list[float]) -> None:
     assert all(values.get("train/lr") == pytest.approx(LR) for _, values in rows if "train/loss" in values)
 
 
+@pytest.mark.slow  # (wandb runs a service process of its own)
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_both_trackers_log_config_steps_epochs_and_the_checkpoint(tmp_path, tracker_env, opt_name):
     from unison import Checkpoint, DataLoaders, Learner, MLflowLogger, WandbLogger, set_seed

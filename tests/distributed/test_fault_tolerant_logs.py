@@ -109,6 +109,7 @@ def test_replicas_started_together_print_the_same_table_as_one_process_and_say_s
     assert len(took) <= 1, shown
 
 
+@pytest.mark.slow
 def test_a_launch_shares_the_cores_with_the_workers_of_other_launches_and_says_so(tmp_path):
     """A stand-in for another launch (a process whose 2 children run `-m unison.launch.worker`):
     this launch's plan divides the cores among its worker and theirs, and one line says so. (Other
@@ -127,7 +128,10 @@ def test_a_launch_shares_the_cores_with_the_workers_of_other_launches_and_says_s
     saved = os.environ.pop("OMP_NUM_THREADS", None)
     try:
         assert other.stdout.readline().strip() == "up"
-        assert other_launches()[other.pid] == 2
+        deadline = time.monotonic() + 30  # (a loaded machine: /proc may show a child a moment late)
+        while other_launches().get(other.pid) != 2:
+            assert time.monotonic() < deadline, other_launches()
+            time.sleep(0.1)
         plan = plan_launch(parse_options(["--nproc", "1", SCRIPT]), str(tmp_path))
         assert 1 <= int(plan.env["OMP_NUM_THREADS"]) <= threads_per_worker(3)
         [note] = plan.notes

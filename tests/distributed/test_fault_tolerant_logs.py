@@ -191,3 +191,20 @@ def test_torchft_tracebacks_fold_to_one_line_and_its_info_lines_go_unless_verbos
     monkeypatch.setenv("RUST_LOG", "debug")
     quiet_torchft()
     assert os.environ["RUST_LOG"] == "debug"  # the user's choice is kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT_S + 60)
+def test_a_replica_group_of_two_processes_speaks_with_one_voice(tmp_path):
+    """Group rank 1 computes what rank 0 does (each rank of a group is a full learner under
+    torchft), but only group rank 0 prints the table (it printed it too, as did its checkpoints)."""
+    serve = ["--start-lighthouse", "--lighthouse-port", "0", "--min-replicas", "1", "--replica-id", "a"]
+    cmd = [*LAUNCH, "--nproc", "2", *serve, SCRIPT, "--min-replicas", "1", "--epochs", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown[-3000:]
+    headers = [line for line in shown.splitlines() if re.search(r"\bepoch\s+train_loss\s+valid_loss", line)]
+    assert len(headers) == 1 and headers[0].startswith("[rank0]"), shown[-3000:]
+    rows = {rank: values(line) for line in shown.splitlines() if (rank := line[:7]) in ("[rank0]", "[rank1]")
+            and "VALUES" in line}  # fmt: skip
+    assert rows["[rank0]"] == rows["[rank1]"], rows  # the same computation on both ranks

@@ -20,6 +20,7 @@ parser.add_argument("--replica", default="")
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--start-replicas", type=int, default=1)
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--min-replicas", type=int, default=2)
 args = parser.parse_args()
 
 set_seed(0)
@@ -35,7 +36,11 @@ learn = Learner(dls, model, nn.CrossEntropyLoss(), opt_func=torch.optim.AdamW, l
 if args.plain:
     learn.fit(args.epochs)
 else:
-    ft = {"replica_id": args.replica, "min_replicas": 2, "start_replicas": args.start_replicas}
+    ft = {
+        "replica_id": args.replica,
+        "min_replicas": args.min_replicas,
+        "start_replicas": args.start_replicas,
+    }
     with learn.distrib_ctx(fault_tolerant=ft, timeout=20):
         learn.fit(args.epochs)
 print("VALUES " + json.dumps({"values": learn.recorder.values, "losses": learn.recorder.losses}), flush=True)

@@ -23,7 +23,13 @@ class Collective:
     tensor(2.)
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, device: torch.device | None = None, speaks: bool = True
+    ):
+        # `speaks=False`: a process that computes everything itself (its collectives are identities)
+        # beside others that compute the same, such as rank 1 of a torchft replica group: it keeps
+        # quiet and writes nothing, so the job speaks with one voice.
+        self.speaks = speaks
         self.active = dist.is_available() and dist.is_initialized() and group is not None
         self.group = group
         self.rank = dist.get_rank(group) if self.active else 0
@@ -35,7 +41,8 @@ class Collective:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The rank that prints, logs and writes (rank 0 of the group)."""
+        return self.rank == 0 and self.speaks
 
     def sum(self, t: Tensor) -> Tensor:
         """Elementwise sum of `t` over all ranks (a new tensor, on `t`'s device)."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.data.batch import batch_size_of, map_tensors
+from unison.distributed.collective import Collective
 from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
@@ -136,6 +137,7 @@ class FaultTolerantTrainer(Callback):
         self._store: Any = None
         self._witness = QuorumWitness(None)
         self.created_group = False
+        self._original_collective: Collective | None = None
         self._members: list[str] = []  # the replicas of the last quorum this replica saw
         self.group_rank, self.group_size = 0, 1  # this process's place in its replica group
         self._quorum_ready = False  # a quorum was made for the step about to run (before_fit's)
@@ -218,6 +220,8 @@ class FaultTolerantTrainer(Callback):
         )
         self._witness = QuorumWitness(self.manager._client)
         self.manager._client = self._witness  # (torchft keeps each quorum's members to itself)
+        self._original_collective = learn.collective  # each rank computes all; group rank 0 speaks
+        learn.set_collective(Collective(speaks=self.group_rank == 0))
         self.active = True
 
     def diagnose(self) -> None:  # a lost replica is survived (its step redone), not a stalled rank
@@ -225,6 +229,9 @@ class FaultTolerantTrainer(Callback):
 
     def restore(self) -> None:
         self.active = False
+        if self._original_collective is not None:
+            self.learn.set_collective(self._original_collective)
+            self._original_collective = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -237,16 +244,10 @@ class FaultTolerantTrainer(Callback):
 
     # ---- what a healing peer receives -----------------------------------------------
     def _state(self) -> dict[str, Any]:
-        learn = self.learn
+        learn, (epoch, step) = self.learn, self._position
         assert learn.opt is not None
-        epoch, step = self._position
-        return {
-            "model": learn.raw_model.state_dict(),
-            "opt": learn.opt.state_dict(),
-            "epoch": epoch,
-            "step": step,
-            "data_seed": learn.data_seed,
-        }
+        model, opt = learn.raw_model.state_dict(), learn.opt.state_dict()
+        return {"model": model, "opt": opt, "epoch": epoch, "step": step, "data_seed": learn.data_seed}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         learn = self.learn

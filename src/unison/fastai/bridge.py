@@ -198,7 +198,7 @@ class UnisonBridge(fastai_core.Callback):
             if dl is not None
         }
         everyone = self.host.collective.gather_objects(mine)
-        for name, here in mine.items():
+        for name in mine:
             others = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0].get(name)]
             if others:
                 raise ValueError(
@@ -261,10 +261,9 @@ class UnisonBridge(fastai_core.Callback):
         if not learn.training or getattr(learn, "loss_grad", None) is None:
             return
         host.pred, host.xb, host.yb = learn.pred, learn.xb, learn.yb
+        host.loss, host.loss_grad = learn.loss.detach(), learn.loss_grad  # this rank's own loss
         if self.world_size > 1:
             self._route_loss()
-        host.loss = learn.loss.detach()
-        host.loss_grad = learn.loss_grad
         self.fire("after_loss")  # NonFiniteCheck: a rank's non-finite loss reaches every rank's gradient
         learn.loss_grad = host.loss_grad
         if not self.sweep:

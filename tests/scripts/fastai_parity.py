@@ -58,12 +58,12 @@ class StepLosses(Callback):
     """Each training step's loss in float64; fastai's smoothed loss then gets it as float32 (its
     `tensor()` makes the smoother float32 whatever the model, and it refuses a float64 loss)."""
 
-    order = 10  # after the bridge set the global batch's loss, before the Recorder (50)
+    order = 10  # after the bridge set the global batch's loss (after_backward), before the Recorder (50)
 
     def __init__(self) -> None:
         self.losses = []  # (not in before_fit: get_preds fires it too)
 
-    def after_loss(self) -> None:
+    def after_backward(self) -> None:
         if self.training:
             self.losses.append(float(self.learn.loss))
             self.learn.loss = self.learn.loss.float()

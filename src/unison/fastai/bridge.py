@@ -123,6 +123,7 @@ class UnisonBridge(fastai_core.Callback):
         engine.attach_strategy(host, config)  # the process group, exact BatchNorm, DDP
         self.host, self.after_recorder = host, _AfterRecorder(self)
         self.shards: dict[tuple[int, bool], tuple[Any, RankShardedFastaiDL]] = {}
+        self.loss_terms = torch.zeros(2, dtype=torch.float64)  # this rank's (loss sum, count) of the batch
         self.sweep = False
         self.saved_logger: Any = None
         learn.model = host.model
@@ -266,12 +267,6 @@ class UnisonBridge(fastai_core.Callback):
             self._route_loss()
         self.fire("after_loss")  # NonFiniteCheck: a rank's non-finite loss reaches every rank's gradient
         learn.loss_grad = host.loss_grad
-        if not self.sweep:
-            host.recorder.losses.append(float(learn.loss.detach()))
-        if self.float64_probe and learn.loss.dtype == torch.float64:
-            # fastai's smoothed loss is float32 whatever the model (its `tensor()` casts float64), and
-            # refuses a float64 loss: under `check-exact --float64` it gets the loss as float32.
-            learn.loss = learn.loss.float()
 
     def _route_loss(self) -> None:
         """The batch's mean loss as a sum and a count, through the engine's `ExactLoss`: the step's
@@ -286,17 +281,26 @@ class UnisonBridge(fastai_core.Callback):
         host.exact_loss.count_is_rows = True
         engine.score(host, total, count, mean)
         learn.loss_grad = host.loss_grad
-        both = torch.stack([total.detach().double().reshape(()), torch.tensor(count, dtype=torch.float64)])
-        summed = host.collective.sum(both)
-        learn.loss = (summed[0] / summed[1]).to(learn.loss.dtype)
+        # (summed over ranks after the backward pass: a rank stalled before it is then seen behind
+        # its peers at DDP's all-reduce, and named)
+        self.loss_terms = torch.stack([total.detach().double().reshape(()), torch.tensor(count).double()])
 
     def before_backward(self) -> None:
         self.fire("before_backward")
 
     def after_backward(self) -> None:
+        learn = self.learn
         if self.world_size > 1:
             self.host.exact_loss.normalise_grads(self.host)
+            summed = self.host.collective.sum(self.loss_terms)
+            learn.loss = (summed[0] / summed[1]).to(learn.loss.dtype)  # the global batch's loss, recorded
         self.fire("after_backward")
+        if not self.sweep:
+            self.host.recorder.losses.append(float(learn.loss.detach()))
+        if self.float64_probe and learn.loss.dtype == torch.float64:
+            # fastai's smoothed loss is float32 whatever the model (its `tensor()` casts float64), and
+            # refuses a float64 loss: under `check-exact --float64` it gets the loss as float32.
+            learn.loss = learn.loss.float()
 
     def before_step(self) -> None:
         self.host.opt = self.learn.opt

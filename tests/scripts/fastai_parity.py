@@ -29,6 +29,8 @@ parser.add_argument("--opt", choices=("adam", "sgd"), default="adam")
 parser.add_argument("--nan-rank", type=int, help="this rank's loss becomes NaN at --at")
 parser.add_argument("--stall-rank", type=int, help="this rank stops taking part at --at")
 parser.add_argument("--at", type=int, default=3)
+parser.add_argument("--float32", action="store_true", help="as the example runs (docs/from-fastai.md's figures)")
+parser.add_argument("--no-sync-bn", action="store_true", help="BatchNorm per rank, as without exact sync BN")
 args = parser.parse_args()
 
 
@@ -69,20 +71,23 @@ class StepLosses(Callback):
             self.learn.loss = self.learn.loss.float()
 
 
-torch.set_default_dtype(torch.float64)
+if not args.float32:
+    torch.set_default_dtype(torch.float64)
 world = 1 if args.plain else max(1, num_distrib())
 learn = build(args.bs // world)
 if args.opt == "sgd":
     learn.opt_func = SGD
-learn.model.double()
 steps = StepLosses()
-learn.add_cbs([Float64Batches(), Faults(), steps])
+learn.add_cbs([Faults(), steps])
+if not args.float32:
+    learn.model.double()
+    learn.add_cb(Float64Batches())
 if args.plain:
     learn.fit_one_cycle(args.epochs, 1e-2)
     values = [[float(v) for v in row] for row in learn.recorder.values]
     preds, targs = learn.get_preds()
 else:
-    with distrib_ctx(learn, timeout=20):
+    with distrib_ctx(learn, timeout=20, sync_bn=not args.no_sync_bn):
         learn.fit_one_cycle(args.epochs, 1e-2)
         values = [[float(v) for v in row] for row in learn.recorder.values]
         preds, targs = learn.get_preds()

@@ -29,7 +29,7 @@ parser.add_argument("--opt", choices=("adam", "sgd"), default="adam")
 parser.add_argument("--nan-rank", type=int, help="this rank's loss becomes NaN at --at")
 parser.add_argument("--stall-rank", type=int, help="this rank stops taking part at --at")
 parser.add_argument("--at", type=int, default=3)
-parser.add_argument("--float32", action="store_true", help="as the example runs (docs/from-fastai.md's figures)")
+parser.add_argument("--float32", action="store_true", help="as the example runs (docs/from-fastai.md)")
 parser.add_argument("--no-sync-bn", action="store_true", help="BatchNorm per rank, as without exact sync BN")
 args = parser.parse_args()
 

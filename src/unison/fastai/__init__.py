@@ -19,7 +19,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from fastai.callback.progress import ProgressCallback
+try:
+    from fastai.callback.progress import ProgressCallback
+except ImportError as exc:  # one line naming the fix, not a traceback into fastai's absence
+    raise ImportError("unison.fastai needs fastai: pip install 'unison[fastai]'") from exc
 
 import unison.engine as engine
 from unison.distributed.strategy import ParallelConfig

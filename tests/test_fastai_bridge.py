@@ -55,13 +55,14 @@ def test_an_odd_validation_set_is_padded_and_the_padding_is_marked() -> None:
     assert sorted(seen) == list(range(103))
 
 
-def run(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], timeout: float = 420, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
-def launch2(*script_args: str) -> subprocess.CompletedProcess[str]:
-    return run([sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), *script_args])
+def launch2(*script_args: str, launch_args: tuple[str, ...] = (), cwd: Path | None = None):
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", *launch_args, str(SCRIPT), *script_args]
+    return run(cmd, cwd=cwd)
 
 
 @pytest.mark.slow
@@ -90,6 +91,26 @@ def test_two_bridged_processes_train_as_fastai_alone_on_one(tmp_path: Path, opt:
     # and the accuracy is the one computed here from get_preds over the 201 rows
     accuracy = float((b["preds"].argmax(1) == b["targs"].view(-1)).double().mean())
     assert abs(b["values"][-1][2] - accuracy) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed at epoch 1, step 4 under --max-restarts 1, checkpoints every 3 steps: the job
+    restarts, resumes at epoch 1 step 3 (fastai's order of that epoch drawn again: its tabular loader
+    shuffles with NumPy's global generator) and ends on the weights of fastai alone, uninterrupted."""
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    plain = run([sys.executable, str(SCRIPT), "--plain", "--out", str(one)], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    args = ("--every", "3", "--kill-rank", "1", "--at", "4", "--out", str(two))
+    killed = launch2(*args, launch_args=("--max-restarts", "1"), cwd=tmp_path)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "restarting the workers" in killed.stderr  # it did die and come back
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    diff = max(float((a["weights"][k].double() - b["weights"][k].double()).abs().max()) for k in a["weights"])
+    assert diff < TOL, diff
+    assert len(b["losses"]) == 24 - 15  # the resumed run trained only the steps after the checkpoint
+    assert max(abs(x - y) for x, y in zip(a["losses"][15:], b["losses"], strict=True)) < TOL
+    assert abs(a["values"][-1][1] - b["values"][-1][1]) < TOL and a["values"][-1][2] == b["values"][-1][2]
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ step's loss and `get_preds` on the validation set to `--out`.
 """
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,8 @@ parser.add_argument("--opt", choices=("adam", "sgd"), default="adam")
 parser.add_argument("--nan-rank", type=int, help="this rank's loss becomes NaN at --at")
 parser.add_argument("--stall-rank", type=int, help="this rank stops taking part at --at")
 parser.add_argument("--at", type=int, default=3)
+parser.add_argument("--kill-rank", type=int, help="SIGKILL it at epoch 1, step --at (once)")
+parser.add_argument("--every", type=int, help="a checkpoint every N steps, and resume from the newest")
 parser.add_argument("--float32", action="store_true", help="as the example runs (docs/from-fastai.md)")
 parser.add_argument("--no-sync-bn", action="store_true", help="BatchNorm per rank, as without exact sync BN")
 args = parser.parse_args()
@@ -56,6 +60,15 @@ class Faults(Callback):
             time.sleep(600)  # alive, silent: its peers must name it
 
 
+class Kill(Callback):
+    order = 99
+
+    def after_step(self) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if args.kill_rank == rank_distrib() and first_attempt and (self.epoch, self.iter) == (1, args.at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class StepLosses(Callback):
     """Each training step's loss in float64; fastai's smoothed loss then gets it as float32 (its
     `tensor()` makes the smoother float32 whatever the model, and it refuses a float64 loss)."""
@@ -78,7 +91,7 @@ learn = build(args.bs // world)
 if args.opt == "sgd":
     learn.opt_func = SGD
 steps = StepLosses()
-learn.add_cbs([Faults(), steps])
+learn.add_cbs([Faults(), Kill(), steps])
 if not args.float32:
     learn.model.double()
     learn.add_cb(Float64Batches())
@@ -87,7 +100,8 @@ if args.plain:
     values = [[float(v) for v in row] for row in learn.recorder.values]
     preds, targs = learn.get_preds()
 else:
-    with distrib_ctx(learn, timeout=20, sync_bn=not args.no_sync_bn):
+    resume = {"checkpoint_every": args.every, "resume": True} if args.every else {}
+    with distrib_ctx(learn, timeout=20, sync_bn=not args.no_sync_bn, **resume):
         learn.fit_one_cycle(args.epochs, 1e-2)
         values = [[float(v) for v in row] for row in learn.recorder.values]
         preds, targs = learn.get_preds()

@@ -38,18 +38,23 @@ def to_distributed(
     sync_bn: bool = True,
     timeout: float | None = None,
     backend: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
     **ddp_kwargs: Any,
 ) -> Any:
     """Train fastai Learner `learn` data-parallel over the launch's processes (a no-op wrapper on
     one): joins the process group, makes BatchNorm exact, wraps the model in DDP. Returns `learn`.
-    Options are unison's `distrib_ctx` options (`timeout` names a stalled rank after that many seconds).
+    Options are unison's `distrib_ctx` options (`timeout` names a stalled rank after that many seconds),
+    and `checkpoint_every=k` (the engine's checkpoint every k steps and at each epoch's end, under
+    `learn.path / learn.model_dir`), `resume=True` (the next fit continues from the newest one, mid-epoch:
+    with `unison launch --max-restarts`, a killed job comes back to the uninterrupted weights).
 
     >>> learn = to_distributed(tabular_learner(dls, metrics=accuracy))   # doctest: +SKIP
     """
     if get_bridge(learn) is not None:
         raise RuntimeError("unison.fastai.to_distributed: this Learner is distributed already")
     config = ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, False, **ddp_kwargs)
-    bridge = UnisonBridge(learn, config)
+    bridge = UnisonBridge(learn, config, checkpoint_every, resume)
     learn.add_cbs([bridge, bridge.after_recorder])
     if bridge.world_size > 1:
         # fastai's own gathers read WORLD_SIZE; the bridge hands fastai every rank's rows already.

@@ -34,18 +34,22 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastai.callback.core as fastai_core
+import numpy as np
 import torch
 from fastcore.basics import noop
+from fastcore.foundation import L
 
 import unison.engine as engine
 import unison.events as unison_events
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import NonFiniteCheck
+from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
 from unison.fastai.loader import RankShardedFastaiDL
 from unison.losses import zero_loss
+from unison.rng import get_rng_state, set_rng_state
 from unison.run_host import RunHost
 
 __all__ = ["UnisonBridge"]
@@ -77,6 +81,65 @@ class _RecorderView:
     def metric_names(self) -> list[str]:
         return list(self.learn.recorder.metric_names)
 
+    # What a checkpoint keeps of it: the step losses (fastai's own rows are not restored).
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = list(state["losses"])
+
+    def partial_state(self) -> None:
+        return None
+
+    def resume_partial(self, partial: Any, rank: int, world_size: int) -> None:
+        """Nothing: the recorded losses are global already."""
+
+
+class _PlainStateOptimizer:
+    """fastai's optimizer as the engine's checkpoint sees it: its state in plain lists and dicts
+    (fastai keeps fastcore `L`s, which a weights-only load refuses); all else is fastai's."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def state_dict(self) -> dict[str, Any]:
+        return _plain(self.opt.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+        self.opt.hypers = L(self.opt.hypers)  # (fastai's own load leaves a list where it keeps an L)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.opt, name)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, L)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.generic):  # (fastai's schedules set NumPy floats as learning rates)
+        return obj.item()
+    return obj
+
+
+class _DataOrderState(unison_events.Callback):
+    """What a checkpoint keeps of fastai's data order: the generators the epoch in progress drew its
+    order from, as they were before it drew (a mid-epoch resume draws it again): the loader's own
+    `rng` and the process's (fastai's tabular loaders shuffle with NumPy's global generator); and the
+    loader's `rng` as it is now (an epoch boundary: the next epoch draws from it)."""
+
+    def __init__(self, bridge: UnisonBridge) -> None:
+        self.bridge = bridge
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        bridge = self.bridge
+        return {"before_epoch": bridge.order_before_epoch, "now": _rng_list(bridge.learn.dls.train.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
 
 class _AfterRecorder(fastai_core.Callback):
     """The bridge's `after_*` events, run after fastai's Recorder (50) and progress (60) logged
@@ -87,18 +150,26 @@ class _AfterRecorder(fastai_core.Callback):
     def __init__(self, bridge: UnisonBridge) -> None:
         self.bridge = bridge
 
+    def before_epoch(self) -> None:
+        if self.bridge.skipping:  # an epoch the checkpoint had finished (as fastai's SkipToEpoch, 70)
+            raise fastai_core.CancelEpochException()
+
     def after_batch(self) -> None:
         if self.learn.training:
             self.bridge.fire("after_batch")
 
     def after_train(self) -> None:
-        self.bridge.fire("after_train")
+        if not self.bridge.skipping:
+            self.bridge.fire("after_train")
 
     def after_epoch(self) -> None:
-        self.bridge.fire("after_epoch")
+        # (a skipped epoch must not write a checkpoint over the newer one; nor may get_preds)
+        if not self.bridge.skipping and not self.learn.lock.locked():
+            self.bridge.fire("after_epoch")
 
     def after_fit(self) -> None:
-        self.bridge.end_fit()
+        if not self.learn.lock.locked():
+            self.bridge.end_fit()
 
 
 class UnisonBridge(fastai_core.Callback):
@@ -107,7 +178,9 @@ class UnisonBridge(fastai_core.Callback):
 
     order = -5  # after TrainEvalCallback (-10) sets the phase; before Recorder (50) and progress (60)
 
-    def __init__(self, learn: Any, config: ParallelConfig) -> None:
+    def __init__(
+        self, learn: Any, config: ParallelConfig, checkpoint_every: int | None = None, resume: bool = False
+    ) -> None:
         # fastai's optimizer is made now, over the model's own BatchNorm layers: fastai finds them by
         # their class (no weight decay on BatchNorm unless `wd_bn_bias`), and exact sync BatchNorm is
         # another class. `fit` keeps an existing optimizer, as it would have kept its own.
@@ -127,6 +200,15 @@ class UnisonBridge(fastai_core.Callback):
         self.sweep = False
         self.saved_logger: Any = None
         learn.model = host.model
+        # Checkpoints (the engine's `Checkpoint`: atomic, verified, RNG and data order kept) and resume.
+        self.checkpointing = checkpoint_every is not None or resume
+        self.resume_pending, self.order_state = resume, _DataOrderState(self)
+        self.order_before_epoch: dict[str, Any] | None = None
+        self.pending_order: dict[str, Any] | None = None  # a mid-epoch resume's epoch-start generators
+        self.skip_to: tuple[int, int] | None = None  # (epoch, batch) a resumed fit continues at
+        self.iter_offset = 0
+        if self.checkpointing:
+            host.add_cbs([Checkpoint(every=checkpoint_every), self.order_state])
 
     # ---- where this process stands ------------------------------------------------------
     @property
@@ -147,8 +229,8 @@ class UnisonBridge(fastai_core.Callback):
 
     def shard(self, dl: Any, pad: bool) -> Any:
         """This rank's share of `dl` (kept across epochs); `dl` itself on one process."""
-        if self.world_size == 1 or isinstance(dl, RankShardedFastaiDL):
-            return dl
+        if (self.world_size == 1 and not self.checkpointing) or isinstance(dl, RankShardedFastaiDL):
+            return dl  # (one process: fastai's own loader, unless a resume must start mid-epoch)
         key = (id(dl), pad)
         if key not in self.shards or self.shards[key][0] is not dl:
             collective = self.host.collective
@@ -171,10 +253,16 @@ class UnisonBridge(fastai_core.Callback):
                 "create_opt()): fastai would not see the synchronised BatchNorm layers and would decay "
                 "their weights; make it before distrib_ctx, or leave reset_opt=False"
             )
-        host.opt, host.loss_func, host.n_epoch = learn.opt, learn.loss_func, learn.n_epoch
+        host.opt, host.loss_func, host.n_epoch = (
+            _PlainStateOptimizer(learn.opt),
+            learn.loss_func,
+            learn.n_epoch,
+        )
         # (what check-exact's probe reads of the training loader: the per-process batch)
         host.dls = SimpleNamespace(train=SimpleNamespace(batch_size=learn.dls.train.bs), valid=None)
         host.lr_finder = True if self.sweep else None  # (the check-exact probe leaves a sweep alone)
+        if learn.lock.locked():
+            return  # validate / get_preds: fastai's own before_fit, no fit for the engine's callbacks
         if self.world_size > 1:
             self.check_loaders_agree()
             if host.collective.rank != 0:
@@ -182,6 +270,7 @@ class UnisonBridge(fastai_core.Callback):
         self.fire("before_fit")
 
     def end_fit(self) -> None:
+        self.skip_to, self.iter_offset = None, 0
         if self.saved_logger is not None:
             self.learn.logger, self.saved_logger = self.saved_logger, None
         try:
@@ -209,16 +298,58 @@ class UnisonBridge(fastai_core.Callback):
                 )
 
     def before_epoch(self) -> None:
-        self.host.epoch = self.learn.epoch
-        self.fire("before_epoch")
+        learn = self.learn
+        # (validate and get_preds fire before_epoch too, holding fastai's lock: only a fit resumes)
+        if self.resume_pending and not self.sweep and not learn.lock.locked():
+            self.resume_pending = False
+            self.restore_checkpoint()
+        self.host.epoch = learn.epoch
+        if not learn.lock.locked():
+            self.fire("before_epoch")
 
     def before_train(self) -> None:
         learn, host = self.learn, self.host
-        learn.dl = self.shard(learn.dl, pad=False)
+        if self.pending_order is not None:  # the resumed epoch draws its order as it first did
+            order, self.pending_order = self.pending_order, None
+            after = get_rng_state()
+            set_rng_state(order["rng"])
+            learn.dls.train.rng.setstate(_as_rng_state(order["fastai"]))
+            self.order_before_epoch = order
+            learn.dl = self.shard(learn.dl, pad=False)
+            learn.dl.on_drawn = lambda: set_rng_state(after)  # then the checkpoint's generators again
+        else:
+            self.order_before_epoch = {"fastai": _rng_list(learn.dls.train.rng), "rng": get_rng_state()}
+            learn.dl = self.shard(learn.dl, pad=False)
         host.dl, host.training, host.n_iter = learn.dl, True, len(learn.dl)
         host.grad_sync = True
         host.exact_loss.start_epoch(learn.dl.bs)
+        self.iter_offset = 0
+        if self.skip_to is not None and self.skip_to[0] == learn.epoch and self.skip_to[1]:
+            # Mid-epoch: the epoch's order drawn again, its first batches skipped unloaded, the
+            # schedule where the checkpoint left it.
+            self.iter_offset = self.skip_to[1]
+            learn.dl.set_start(self.iter_offset)
+            learn.train_iter = learn.epoch * len(learn.dl) + self.iter_offset
+            learn.pct_train = learn.train_iter / (len(learn.dl) * learn.n_epoch)
         self.fire("before_train")
+
+    @property
+    def skipping(self) -> bool:
+        return self.skip_to is not None and self.learn.epoch < self.skip_to[0]
+
+    def restore_checkpoint(self) -> None:
+        """The newest checkpoint, if any: model, optimizer, RNG states, fastai's data order, and the
+        epoch and batch this fit continues at."""
+        host = self.host
+        ckpt = host.get_cb(Checkpoint)
+        if ckpt is None or not ckpt.restore_latest():
+            return
+        self.skip_to = (host.start_epoch, host.start_iter)
+        loaded = self.order_state.loaded
+        if loaded is not None and host.start_iter:
+            self.pending_order = loaded["before_epoch"]
+        elif loaded is not None:
+            self.learn.dls.train.rng.setstate(_as_rng_state(loaded["now"]))
 
     def before_validate(self) -> None:
         learn, host = self.learn, self.host
@@ -232,6 +363,8 @@ class UnisonBridge(fastai_core.Callback):
 
     def before_batch(self) -> None:
         learn, host = self.learn, self.host
+        if learn.training:
+            learn.iter += self.iter_offset  # (a resumed epoch's batches keep their own numbers)
         real = self._real_rows()
         host.iter, host.training = learn.iter, learn.training
         host._empty_share = real == 0
@@ -303,7 +436,6 @@ class UnisonBridge(fastai_core.Callback):
             learn.loss = learn.loss.float()
 
     def before_step(self) -> None:
-        self.host.opt = self.learn.opt
         self.fire("before_step")
 
     def after_step(self) -> None:
@@ -315,6 +447,18 @@ class UnisonBridge(fastai_core.Callback):
         engine.detach_strategy(self.host)
         self.learn.model = self.host.model
         self.shards.clear()
+
+
+def _rng_list(rng: Any) -> list[Any]:
+    """A `random.Random`'s state as plain lists (what a weights-only checkpoint holds)."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _as_rng_state(state: Any) -> tuple[Any, ...]:
+    """`random.Random.getstate()`'s tuple again (a checkpoint may give lists back)."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
 
 
 def _digest(state: Any) -> str:

@@ -52,6 +52,7 @@ class RankShardedFastaiDL(TfmdDL):
         )
         self._plan = RankPlan([], [0], [])
         self._start = 0
+        self.on_drawn: Any = None  # called once after the next epoch's order is drawn (a resume)
 
     # ---- the plan ----------------------------------------------------------------------
     @property
@@ -69,6 +70,9 @@ class RankShardedFastaiDL(TfmdDL):
 
     def get_idxs(self) -> list[Any]:
         order = list(self.dl.get_idxs())  # fastai's own order for this epoch, drawn alike on every rank
+        if self.on_drawn is not None:
+            drawn, self.on_drawn = self.on_drawn, None
+            drawn()
         self._plan = strided_plan(order, self.rank, self.world_size, self.bs, len(self), self.pad)
         start, self._start = self._start, 0
         return [i for batch in self._plan.batches(start) for i in batch]

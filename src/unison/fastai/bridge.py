@@ -34,10 +34,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastai.callback.core as fastai_core
-import numpy as np
 import torch
 from fastcore.basics import noop
-from fastcore.foundation import L
 
 import unison.engine as engine
 import unison.events as unison_events
@@ -48,6 +46,7 @@ from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
 from unison.fastai.loader import RankShardedFastaiDL
+from unison.fastai.state import DataOrderState, PlainStateOptimizer, RecorderView, as_rng_state, rng_list
 from unison.losses import zero_loss
 from unison.rng import get_rng_state, set_rng_state
 from unison.run_host import RunHost
@@ -62,83 +61,6 @@ _CANCELS = {
     unison_events.CancelValidException: fastai_core.CancelValidException,
     unison_events.CancelBatchException: fastai_core.CancelBatchException,
 }
-
-
-class _RecorderView:
-    """What the engine's callbacks read of a recorder: each step's global loss (kept here) and
-    fastai's per-epoch rows and names."""
-
-    def __init__(self, learn: Any) -> None:
-        self.learn = learn
-        self.losses: list[float] = []
-
-    @property
-    def values(self) -> list[Any]:
-        # (fastai's Recorder makes its list at its own before_fit, after the bridge's)
-        return vars(self.learn.recorder).get("values", [])
-
-    @property
-    def metric_names(self) -> list[str]:
-        return list(self.learn.recorder.metric_names)
-
-    # What a checkpoint keeps of it: the step losses (fastai's own rows are not restored).
-    def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.losses = list(state["losses"])
-
-    def partial_state(self) -> None:
-        return None
-
-    def resume_partial(self, partial: Any, rank: int, world_size: int) -> None:
-        """Nothing: the recorded losses are global already."""
-
-
-class _PlainStateOptimizer:
-    """fastai's optimizer as the engine's checkpoint sees it: its state in plain lists and dicts
-    (fastai keeps fastcore `L`s, which a weights-only load refuses); all else is fastai's."""
-
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
-
-    def state_dict(self) -> dict[str, Any]:
-        return _plain(self.opt.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state)
-        self.opt.hypers = L(self.opt.hypers)  # (fastai's own load leaves a list where it keeps an L)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.opt, name)
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, L)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.generic):  # (fastai's schedules set NumPy floats as learning rates)
-        return obj.item()
-    return obj
-
-
-class _DataOrderState(unison_events.Callback):
-    """What a checkpoint keeps of fastai's data order: the generators the epoch in progress drew its
-    order from, as they were before it drew (a mid-epoch resume draws it again): the loader's own
-    `rng` and the process's (fastai's tabular loaders shuffle with NumPy's global generator); and the
-    loader's `rng` as it is now (an epoch boundary: the next epoch draws from it)."""
-
-    def __init__(self, bridge: UnisonBridge) -> None:
-        self.bridge = bridge
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        bridge = self.bridge
-        return {"before_epoch": bridge.order_before_epoch, "now": _rng_list(bridge.learn.dls.train.rng)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = state
 
 
 class _AfterRecorder(fastai_core.Callback):
@@ -189,7 +111,7 @@ class UnisonBridge(fastai_core.Callback):
         self.opt_at_setup = learn.opt
         host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
         host.model, host.loss_func = learn.model, learn.loss_func
-        host.recorder = _RecorderView(learn)
+        host.recorder = RecorderView(learn)
         host.add_cb(NonFiniteCheck("stop"))
         probe = attach_if_checking(host)  # only under `unison check-exact` (float64 before any wrapper)
         self.float64_probe = probe is not None and probe.float64
@@ -202,7 +124,7 @@ class UnisonBridge(fastai_core.Callback):
         learn.model = host.model
         # Checkpoints (the engine's `Checkpoint`: atomic, verified, RNG and data order kept) and resume.
         self.checkpointing = checkpoint_every is not None or resume
-        self.resume_pending, self.order_state = resume, _DataOrderState(self)
+        self.resume_pending, self.order_state = resume, DataOrderState(self)
         self.order_before_epoch: dict[str, Any] | None = None
         self.pending_order: dict[str, Any] | None = None  # a mid-epoch resume's epoch-start generators
         self.skip_to: tuple[int, int] | None = None  # (epoch, batch) a resumed fit continues at
@@ -254,7 +176,7 @@ class UnisonBridge(fastai_core.Callback):
                 "their weights; make it before distrib_ctx, or leave reset_opt=False"
             )
         host.opt, host.loss_func, host.n_epoch = (
-            _PlainStateOptimizer(learn.opt),
+            PlainStateOptimizer(learn.opt),
             learn.loss_func,
             learn.n_epoch,
         )
@@ -313,12 +235,12 @@ class UnisonBridge(fastai_core.Callback):
             order, self.pending_order = self.pending_order, None
             after = get_rng_state()
             set_rng_state(order["rng"])
-            learn.dls.train.rng.setstate(_as_rng_state(order["fastai"]))
+            learn.dls.train.rng.setstate(as_rng_state(order["fastai"]))
             self.order_before_epoch = order
             learn.dl = self.shard(learn.dl, pad=False)
             learn.dl.on_drawn = lambda: set_rng_state(after)  # then the checkpoint's generators again
         else:
-            self.order_before_epoch = {"fastai": _rng_list(learn.dls.train.rng), "rng": get_rng_state()}
+            self.order_before_epoch = {"fastai": rng_list(learn.dls.train.rng), "rng": get_rng_state()}
             learn.dl = self.shard(learn.dl, pad=False)
         host.dl, host.training, host.n_iter = learn.dl, True, len(learn.dl)
         host.grad_sync = True
@@ -349,7 +271,7 @@ class UnisonBridge(fastai_core.Callback):
         if loaded is not None and host.start_iter:
             self.pending_order = loaded["before_epoch"]
         elif loaded is not None:
-            self.learn.dls.train.rng.setstate(_as_rng_state(loaded["now"]))
+            self.learn.dls.train.rng.setstate(as_rng_state(loaded["now"]))
 
     def before_validate(self) -> None:
         learn, host = self.learn, self.host
@@ -447,18 +369,6 @@ class UnisonBridge(fastai_core.Callback):
         engine.detach_strategy(self.host)
         self.learn.model = self.host.model
         self.shards.clear()
-
-
-def _rng_list(rng: Any) -> list[Any]:
-    """A `random.Random`'s state as plain lists (what a weights-only checkpoint holds)."""
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def _as_rng_state(state: Any) -> tuple[Any, ...]:
-    """`random.Random.getstate()`'s tuple again (a checkpoint may give lists back)."""
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 def _digest(state: Any) -> str:

@@ -114,6 +114,24 @@ def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weights(tmp_path: Path) -> None:
+    """SIGTERM on rank 0 in epoch 1: every rank stops at one step boundary, checkpointed, exit 75;
+    the same command again resumes there and ends on the weights of fastai alone, uninterrupted."""
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    plain = run([sys.executable, str(SCRIPT), "--plain", "--out", str(one)], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    preempted = launch2("--every", "5", "--term-rank", "0", "--at", "4", "--out", str(two), cwd=tmp_path)
+    assert preempted.returncode == 75, preempted.stderr[-3000:]
+    assert "preempted by SIGTERM" in preempted.stderr and not two.exists()
+    resumed = launch2("--every", "5", "--out", str(two), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    diff = max(float((a["weights"][k].double() - b["weights"][k].double()).abs().max()) for k in a["weights"])
+    assert diff < TOL, diff
+    assert abs(a["values"][-1][1] - b["values"][-1][1]) < TOL and a["values"][-1][2] == b["values"][-1][2]
+
+
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     proc = launch2("--nan-rank", "1", "--at", "3", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0

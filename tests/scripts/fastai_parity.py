@@ -32,6 +32,7 @@ parser.add_argument("--nan-rank", type=int, help="this rank's loss becomes NaN a
 parser.add_argument("--stall-rank", type=int, help="this rank stops taking part at --at")
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--kill-rank", type=int, help="SIGKILL it at epoch 1, step --at (once)")
+parser.add_argument("--term-rank", type=int, help="SIGTERM it at epoch 1, step --at (a preemption)")
 parser.add_argument("--every", type=int, help="a checkpoint every N steps, and resume from the newest")
 parser.add_argument("--float32", action="store_true", help="as the example runs (docs/from-fastai.md)")
 parser.add_argument("--no-sync-bn", action="store_true", help="BatchNorm per rank, as without exact sync BN")
@@ -67,6 +68,8 @@ class Kill(Callback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if args.kill_rank == rank_distrib() and first_attempt and (self.epoch, self.iter) == (1, args.at):
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.term_rank == rank_distrib() and (self.epoch, self.iter) == (1, args.at):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StepLosses(Callback):

@@ -25,6 +25,7 @@ except ImportError as exc:  # one line naming the fix, not a traceback into fast
     raise ImportError("unison.fastai needs fastai: pip install 'unison[fastai]'") from exc
 
 import unison.engine as engine
+from unison.callbacks.preemption import handling
 from unison.distributed.strategy import ParallelConfig
 from unison.fastai.bridge import UnisonBridge, set_world_size_env
 from unison.fastai.loader import RankShardedFastaiDL
@@ -84,15 +85,19 @@ def detach_distributed(learn: Any) -> Any:
 @contextlib.contextmanager
 def distrib_ctx(learn: Any, **options: Any) -> Iterator[Any]:
     """`to_distributed(learn, **options)` inside the block, `detach_distributed` after it; a failed
-    collective caused by another rank stopping raises the error naming that rank.
+    collective caused by another rank stopping raises the error naming that rank. With checkpoints
+    (`checkpoint_every`, `resume`), a preemption signal (SIGTERM, SIGUSR1) checkpoints every rank at
+    one step and exits 75; the job started again with `resume=True` continues there.
 
     >>> with distrib_ctx(learn):                                        # doctest: +SKIP
     ...     learn.fit_one_cycle(3, 1e-2)
     """
     to_distributed(learn, **options)
     bridge = get_bridge(learn)
+    assert bridge is not None
     try:
-        yield learn
+        with handling(bridge.host):  # preemption signals, with checkpoint_every / resume
+            yield learn
     except Exception as exc:
         engine.name_stalled_rank(bridge.host, exc)
         raise

@@ -41,6 +41,7 @@ import unison.engine as engine
 import unison.events as unison_events
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import NonFiniteCheck
+from unison.callbacks.preemption import Preemption
 from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
@@ -130,7 +131,9 @@ class UnisonBridge(fastai_core.Callback):
         self.skip_to: tuple[int, int] | None = None  # (epoch, batch) a resumed fit continues at
         self.iter_offset = 0
         if self.checkpointing:
-            host.add_cbs([Checkpoint(every=checkpoint_every), self.order_state])
+            # Preemption: a scheduler's signal (SIGTERM, SIGUSR1) checkpoints every rank at one step and
+            # exits 75; the job resubmitted resumes (its handlers are installed by distrib_ctx).
+            host.add_cbs([Checkpoint(every=checkpoint_every), self.order_state, Preemption()])
 
     # ---- where this process stands ------------------------------------------------------
     @property

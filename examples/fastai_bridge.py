@@ -1,9 +1,11 @@
 """A stock fastai script (fastai's own TabularDataLoaders, tabular_learner with BatchNorm, accuracy,
-fit_one_cycle) trained data-parallel by unison with one added line: `with distrib_ctx(learn):`.
+fit_one_cycle) trained data-parallel by unison with one added line: `with distrib_ctx(learn):`
+(here with its checkpoint options: `--every N` checkpoints every N steps and resumes after a restart).
 
     python examples/fastai_bridge.py                                  # one process, plain fastai
     unison launch --nproc 2 examples/fastai_bridge.py                 # two processes, the same global batch
     unison check-exact --nproc 2 --float64 examples/fastai_bridge.py  # 1 and 2 processes agree
+    unison launch --nproc 2 --max-restarts 1 examples/fastai_bridge.py --every 5   # a killed rank: resumed
 
 The global batch is `--bs` (64); each process takes `bs // num_distrib()` of it, so any number
 of processes trains to the weights of one. The data are generated here (no download): 1,000 rows
@@ -80,10 +82,11 @@ if __name__ == "__main__":
     parser.add_argument("--bs", type=int, default=64, help="the global batch size")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--out", help="write the final weights and recorded values here (rank 0)")
+    parser.add_argument("--every", type=int, help="a checkpoint every N steps; a restarted job resumes")
     args = parser.parse_args()
 
     learn = build(args.bs // max(1, num_distrib()))
-    with distrib_ctx(learn):  # the one added line
+    with distrib_ctx(learn, checkpoint_every=args.every, resume=args.every is not None):  # the added line
         learn.fit_one_cycle(args.epochs, args.lr)
     if args.out and rank_distrib() == 0:
         state = {k: v.detach().cpu() for k, v in learn.model.state_dict().items()}

@@ -3,9 +3,11 @@ itself on 1 process at the global batch (weights, losses, metrics, get_preds on 
 validation set), fastai's own order dealt across ranks, a NaN stopping every rank, a stalled rank
 named, and examples/fastai_bridge.py passing `unison check-exact`."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +146,43 @@ def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
     proc = launch2("--stall-rank", "1", "--at", "2", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_path: Path) -> None:
+    """examples/fastai_bridge.py under `unison launch --nproc 2 --max-restarts 1 ... --every 3`: rank 1
+    SIGKILLed from outside once the first checkpoint exists; the job restarts, resumes and ends on the
+    weights of the same script on one process, uninterrupted (float32: within 1e-5)."""
+    psutil = pytest.importorskip("psutil")
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    plain = run([sys.executable, str(EXAMPLE), "--out", str(one)], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "1", str(EXAMPLE)]
+    job = subprocess.Popen(
+        [*cmd, "--every", "3", "--out", str(two)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    killed = False
+    deadline = time.monotonic() + 300
+    while job.poll() is None and not killed and time.monotonic() < deadline:
+        if (tmp_path / "models" / "checkpoint.pth").exists():
+            for proc in psutil.Process(job.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if proc.environ().get("RANK") == "1" and "fastai_bridge.py" in " ".join(proc.cmdline()):
+                        proc.kill()
+                        killed = True
+        time.sleep(0.05)
+    _, stderr = job.communicate(timeout=300)
+    assert killed and job.returncode == 0, stderr[-3000:]
+    assert "restarting the workers" in stderr
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    diff = max(float((a["weights"][k].double() - b["weights"][k].double()).abs().max()) for k in a["weights"])
+    assert diff < 1e-5, diff
 
 
 @pytest.mark.slow

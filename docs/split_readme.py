@@ -72,8 +72,8 @@ PAGES = [
     Page(
         "from-fastai.md",
         "From fastai",
-        "a stock fastai `Learner` data-parallel with one line, exactly; what fastai's own `distrib_ctx` "
-        "does differently; the same script measured side by side",
+        "a stock fastai `Learner` data-parallel with one line, exactly, resumed exactly after a kill; "
+        "what fastai's own `distrib_ctx` does differently; the same script measured side by side",
     ),
     Page(
         "exact.md",

@@ -10,7 +10,9 @@ batch `bs` it trains to the weights one fastai process reaches at batch `W*bs`: 
 order as fastai's own shuffle, BatchNorm synchronised exactly (on CPU too), each step's gradient
 that of the global batch, and validation loss, metrics and `get_preds` over every item once (no
 padded duplicates). A non-finite loss stops every rank, naming it; a stalled rank is named; rank 0
-alone shows progress and logs. On one process it changes nothing. See docs/from-fastai.md.
+alone shows progress and logs; with `checkpoint_every=k, resume=True` a killed or preempted job
+resumes mid-epoch to the uninterrupted weights. On one process it changes nothing. See
+docs/from-fastai.md.
 """
 
 from __future__ import annotations

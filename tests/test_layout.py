@@ -137,3 +137,18 @@ def test_no_two_packages_import_each_other():
         if a < b and (b, a) in arrows
     )
     assert both_ways == []
+
+
+def test_the_environment_contract_is_named_in_one_module():
+    """Every variable a launcher and its workers pass each other (`*_ENV = "..."`) is defined in
+    unison/env_names.py alone; the modules that set or read one import it from there."""
+    elsewhere = [
+        f"{path.relative_to(SRC)}: {target.id}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "env_names.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name) and target.id.endswith("_ENV")
+    ]
+    assert elsewhere == []

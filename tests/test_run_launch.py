@@ -93,3 +93,11 @@ def test_the_uninterrupted_one_process_run_is_the_plain_loop(tmp_path: Path) -> 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final_diff(tmp_path) < TOL
+
+
+def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = launch(tmp_path, ("--timeout", "5"), "--bs", "8", "--hang-rank", "1", "--at", "3", timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 5 + 60
+    assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]

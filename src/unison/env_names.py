@@ -36,6 +36,13 @@ REPLICA_ENV = "UNISON_REPLICA_ID"
 #: having set none: a process the worker spawns sees its share is the launcher's, to divide
 #: (`distributed.env.threads_for_spawned`).
 LAUNCHER_THREADS_ENV = "UNISON_LAUNCHER_THREADS"
+#: Where rank 0 sends its progress bars (a datagram socket's path); set only when the launcher draws
+#: them (`launch.bar_relay`, `callbacks.progress`).
+PROGRESS_SOCKET_ENV = "UNISON_PROGRESS_SOCKET"
+#: The launcher terminal's width when it started the workers (their bars are drawn this wide).
+PROGRESS_COLUMNS_ENV = "UNISON_PROGRESS_COLUMNS"
+#: Set (to anything but "" or "0") to show torchft's INFO logs and its tracebacks (`distributed.ft_logs`).
+FT_VERBOSE_ENV = "UNISON_FT_VERBOSE"
 #: The launcher a served lighthouse ends with (`launch.lighthouse`).
 LIGHTHOUSE_PARENT_ENV = "UNISON_LIGHTHOUSE_PARENT"
 

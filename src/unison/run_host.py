@@ -189,6 +189,9 @@ class RunLoader:
     def _end_batch(self, cancelled: bool) -> None:
         host = self.host
         host.in_batch = False
+        monitor = getattr(host.strategy, "monitor", None)
+        if monitor is not None:  # this rank's loop body is done: a rank stuck in its own is named
+            monitor.progress(host, 3)
         try:
             if cancelled or getattr(host, "_batch_cancelled", False):
                 host("after_cancel_batch")

@@ -27,6 +27,7 @@ parser.add_argument("--dir", required=True)
 parser.add_argument("--bs", type=int, default=8, help="per process")
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt only)")
 parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting and sleep at this step")
+parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever at --at")
 parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -53,6 +54,8 @@ with Run(path=args.dir) as run:
             step += 1
             if step == args.at and first_attempt and run.rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.at and run.rank == args.hang_rank:
+                time.sleep(10_000)
             if step == args.wait_at and first_attempt:
                 Path(args.dir, "waiting").write_text(str(run.rank))
                 time.sleep(2)  # the signal comes now; the step boundary then checkpoints and stops

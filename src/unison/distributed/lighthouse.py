@@ -10,15 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["start_lighthouse"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "QUORUM_TICK_MS", "start_lighthouse"]
+
+#: torchft's lighthouse timings unless told (ms): how long a quorum waits for replicas that were in
+#: the last one (after a loss, most of the survivors' stall), how often it checks, and how long a
+#: replica may stay silent before it counts as gone.
+JOIN_TIMEOUT_MS, QUORUM_TICK_MS, HEARTBEAT_TIMEOUT_MS = 2000, 100, 5000
 
 
 def start_lighthouse(
     min_replicas: int = 1,
     port: int = 0,
-    join_timeout_ms: int = 2000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5000,
+    join_timeout_ms: int = JOIN_TIMEOUT_MS,
+    quorum_tick_ms: int = QUORUM_TICK_MS,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
 ) -> Any:
     """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
     its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.

@@ -70,7 +70,8 @@ class Watchdog:
         # process), so this thread names the missing rank itself and ends the process first.
         self.exit_on_stall = exit_on_stall
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # (epoch, phase: 0 train / 1 valid, batch, stage: 0 started / 1 in backward / 2 stepped)
+        # (epoch, phase: 0 train / 1 valid, batch, stage: 0 started / 1 in backward / 2 stepped /
+        # 3 an own loop's body for the batch ended)
         self._progress: tuple[int, int, int, int] = (0, 0, -1, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -269,5 +270,5 @@ def _where(at: list[int] | tuple[int, ...]) -> str:
     epoch, phase, batch, stage = at
     return (
         f"epoch {epoch} {'training' if phase == 0 else 'validation'} batch {batch} "
-        f"({('before backward', 'in backward', 'after step')[stage]})"
+        f"({('before backward', 'in backward', 'after step', 'its loop body done')[stage]})"
     )

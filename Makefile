@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[examples,test,ray]'
+	# fastai for tests/test_fastai_bridge.py: its dependencies (less torchvision and spacy, see
+	# pyproject's fastai-core), then fastai alone; torch stays the pinned one.
+	$(PY) -m pip install -q -c constraints.txt -e '.[fastai-core]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps fastai==2.8.12
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -70,6 +70,12 @@ PAGES = [
         "and Fabric, call by call; an odd-sized evaluation measured; nanoGPT ported",
     ),
     Page(
+        "from-fastai.md",
+        "From fastai",
+        "a stock fastai `Learner` data-parallel with one line, exactly, resumed exactly after a kill; "
+        "what fastai's own `distrib_ctx` does differently; the same script measured side by side",
+    ),
+    Page(
         "exact.md",
         "What is exact",
         "what W processes = 1 process means in float arithmetic, and where float noise grows",

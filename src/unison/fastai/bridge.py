@@ -1,0 +1,388 @@
+"""The fastai bridge: a stock fastai `Learner` driven through unison's engine.
+
+fastai keeps its own loop (`Learner.fit`, its callbacks, recorder, metrics, progress); two fastai
+callbacks carry its events to an engine host (`unison.run_host.RunHost`, the host the own-loop
+`Run` uses), so the guarantees come from the engine's own parts, never a second copy:
+
+- the strategy (`unison.engine.attach_strategy`: DDP, unison's exact sync BatchNorm on CPU too,
+  the rank monitor that names a stalled rank);
+- the data: each pass's loader becomes this rank's share (`RankShardedFastaiDL`), in the order
+  fastai's own shuffle deals one process, planned by `unison.data.plan`;
+- the loss: each training batch's mean is read as a sum and a count and divided by the engine's
+  `ExactLoss`, so the step's gradient is one process's at the global batch (uneven last batch
+  included); the recorded loss is the global batch's;
+- evaluation: each validation batch's predictions and targets are gathered from every rank in
+  data order, padding dropped (`Collective.gather_ordered`), before fastai computes the loss and
+  its metrics: every rank scores the global batch, each item once;
+- `NonFiniteCheck` (the first non-finite loss or gradient stops every rank, naming it) and
+  `unison check-exact`'s probe run as engine callbacks at fastai's events.
+
+fastai's own gathers (`maybe_gather`, which reads `WORLD_SIZE`) would gather these rows a second
+time: while the bridge is attached on W > 1 processes, `WORLD_SIZE` reads 1 in this process
+(restored on detach). Rank 0 alone shows progress and logs (fastai's own rule for `distrib_ctx`).
+
+>>> with distrib_ctx(learn):                                  # doctest: +SKIP
+...     learn.fit_one_cycle(3, 1e-2)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import fastai.callback.core as fastai_core
+import torch
+from fastcore.basics import noop
+
+import unison.engine as engine
+import unison.events as unison_events
+from unison.callbacks.exactness_probe import attach_if_checking
+from unison.callbacks.nonfinite import NonFiniteCheck
+from unison.callbacks.preemption import Preemption
+from unison.checkpoint.callback import Checkpoint
+from unison.data.batch import batch_size_of, map_tensors, take_rows
+from unison.distributed.strategy import ParallelConfig
+from unison.events import fire
+from unison.fastai.loader import RankShardedFastaiDL
+from unison.fastai.state import DataOrderState, PlainStateOptimizer, RecorderView, as_rng_state, rng_list
+from unison.losses import zero_loss
+from unison.rng import get_rng_state, set_rng_state
+from unison.run_host import RunHost
+
+__all__ = ["UnisonBridge"]
+
+#: unison's cancel exceptions (raised by engine callbacks) as fastai's loop knows them.
+_CANCELS = {
+    unison_events.CancelFitException: fastai_core.CancelFitException,
+    unison_events.CancelEpochException: fastai_core.CancelEpochException,
+    unison_events.CancelTrainException: fastai_core.CancelTrainException,
+    unison_events.CancelValidException: fastai_core.CancelValidException,
+    unison_events.CancelBatchException: fastai_core.CancelBatchException,
+}
+
+
+class _AfterRecorder(fastai_core.Callback):
+    """The bridge's `after_*` events, run after fastai's Recorder (50) and progress (60) logged
+    the batch or epoch: the check-exact probe reads what they recorded."""
+
+    order = 95
+
+    def __init__(self, bridge: UnisonBridge) -> None:
+        self.bridge = bridge
+
+    def before_epoch(self) -> None:
+        if self.bridge.skipping:  # an epoch the checkpoint had finished (as fastai's SkipToEpoch, 70)
+            raise fastai_core.CancelEpochException()
+
+    def after_batch(self) -> None:
+        if self.learn.training:
+            self.bridge.fire("after_batch")
+
+    def after_train(self) -> None:
+        if not self.bridge.skipping:
+            self.bridge.fire("after_train")
+
+    def after_epoch(self) -> None:
+        # (a skipped epoch must not write a checkpoint over the newer one; nor may get_preds)
+        if not self.bridge.skipping and not self.learn.lock.locked():
+            self.bridge.fire("after_epoch")
+
+    def after_fit(self) -> None:
+        if not self.learn.lock.locked():
+            self.bridge.end_fit()
+
+
+class UnisonBridge(fastai_core.Callback):
+    """Carries a fastai `Learner`'s events to unison's engine (see the module's docstring).
+    Added by `unison.fastai.to_distributed` / `distrib_ctx`; not meant to be added by hand."""
+
+    order = -5  # after TrainEvalCallback (-10) sets the phase; before Recorder (50) and progress (60)
+
+    def __init__(
+        self, learn: Any, config: ParallelConfig, checkpoint_every: int | None = None, resume: bool = False
+    ) -> None:
+        # fastai's optimizer is made now, over the model's own BatchNorm layers: fastai finds them by
+        # their class (no weight decay on BatchNorm unless `wd_bn_bias`), and exact sync BatchNorm is
+        # another class. `fit` keeps an existing optimizer, as it would have kept its own.
+        if learn.opt is None:
+            learn.create_opt()
+        self.opt_at_setup = learn.opt
+        host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
+        host.model, host.loss_func = learn.model, learn.loss_func
+        host.recorder = RecorderView(learn)
+        host.add_cb(NonFiniteCheck("stop"))
+        probe = attach_if_checking(host)  # only under `unison check-exact` (float64 before any wrapper)
+        self.float64_probe = probe is not None and probe.float64
+        engine.attach_strategy(host, config)  # the process group, exact BatchNorm, DDP
+        self.host, self.after_recorder = host, _AfterRecorder(self)
+        self.shards: dict[tuple[int, bool], tuple[Any, RankShardedFastaiDL]] = {}
+        self.loss_terms = torch.zeros(2, dtype=torch.float64)  # this rank's (loss sum, count) of the batch
+        self.sweep = False
+        self.saved_logger: Any = None
+        learn.model = host.model
+        # Checkpoints (the engine's `Checkpoint`: atomic, verified, RNG and data order kept) and resume.
+        self.checkpointing = checkpoint_every is not None or resume
+        self.resume_pending, self.order_state = resume, DataOrderState(self)
+        self.order_before_epoch: dict[str, Any] | None = None
+        self.pending_order: dict[str, Any] | None = None  # a mid-epoch resume's epoch-start generators
+        self.skip_to: tuple[int, int] | None = None  # (epoch, batch) a resumed fit continues at
+        self.iter_offset = 0
+        if self.checkpointing:
+            # Preemption: a scheduler's signal (SIGTERM, SIGUSR1) checkpoints every rank at one step and
+            # exits 75; the job resubmitted resumes (its handlers are installed by distrib_ctx).
+            host.add_cbs([Checkpoint(every=checkpoint_every), self.order_state, Preemption()])
+
+    # ---- where this process stands ------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.host.collective.world_size
+
+    def fire(self, event: str) -> None:
+        """`event` to the engine's callbacks (to the strategy alone during `lr_find`'s sweep), with
+        unison's cancel exceptions raised as fastai's."""
+        host = self.host
+        try:
+            if self.sweep:
+                fire([host.strategy] if host.strategy is not None else [], event)
+            else:
+                host(event)
+        except tuple(_CANCELS) as exc:
+            raise _CANCELS[type(exc)]() from exc
+
+    def shard(self, dl: Any, pad: bool) -> Any:
+        """This rank's share of `dl` (kept across epochs); `dl` itself on one process."""
+        if (self.world_size == 1 and not self.checkpointing) or isinstance(dl, RankShardedFastaiDL):
+            return dl  # (one process: fastai's own loader, unless a resume must start mid-epoch)
+        key = (id(dl), pad)
+        if key not in self.shards or self.shards[key][0] is not dl:
+            collective = self.host.collective
+            self.shards[key] = (dl, RankShardedFastaiDL(dl, collective.rank, collective.world_size, pad))
+        return self.shards[key][1]
+
+    # ---- the fit ------------------------------------------------------------------------
+    def before_fit(self) -> None:
+        learn, host = self.learn, self.host
+        names = {type(cb).__name__ for cb in learn.cbs}
+        if "GradientAccumulation" in names and self.world_size > 1:
+            raise ValueError(
+                "unison.fastai: fastai's GradientAccumulation rescales the loss by its own rows and is not "
+                "exact across processes; train at the global batch instead (bs divided by num_distrib())"
+            )
+        self.sweep = "LRFinder" in names
+        if learn.opt is not self.opt_at_setup and self.world_size > 1:
+            raise ValueError(
+                "unison.fastai: the optimizer was made again inside distrib_ctx (fit(reset_opt=True) or "
+                "create_opt()): fastai would not see the synchronised BatchNorm layers and would decay "
+                "their weights; make it before distrib_ctx, or leave reset_opt=False"
+            )
+        host.opt, host.loss_func, host.n_epoch = (
+            PlainStateOptimizer(learn.opt),
+            learn.loss_func,
+            learn.n_epoch,
+        )
+        # (what check-exact's probe reads of the training loader: the per-process batch)
+        host.dls = SimpleNamespace(train=SimpleNamespace(batch_size=learn.dls.train.bs), valid=None)
+        host.lr_finder = True if self.sweep else None  # (the check-exact probe leaves a sweep alone)
+        if learn.lock.locked():
+            return  # validate / get_preds: fastai's own before_fit, no fit for the engine's callbacks
+        if self.world_size > 1:
+            self.check_loaders_agree()
+            if host.collective.rank != 0:
+                self.saved_logger, learn.logger = learn.logger, noop
+        self.fire("before_fit")
+
+    def end_fit(self) -> None:
+        self.skip_to, self.iter_offset = None, 0
+        if self.saved_logger is not None:
+            self.learn.logger, self.saved_logger = self.saved_logger, None
+        try:
+            self.fire("after_fit")
+        finally:
+            self.sweep = False
+
+    def check_loaders_agree(self) -> None:
+        """Every rank must deal the same order: same items count, batch size and fastai generator
+        state (a script that seeds before building its loaders has them); else one line naming it."""
+        dls = self.learn.dls
+        mine = {
+            name: (int(dl.n), int(dl.bs), bool(dl.shuffle), _digest(dl.rng.getstate()))
+            for name, dl in (("train", dls.train), ("valid", dls.valid))
+            if dl is not None
+        }
+        everyone = self.host.collective.gather_objects(mine)
+        for name in mine:
+            others = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0].get(name)]
+            if others:
+                raise ValueError(
+                    f"unison.fastai: the {name} loader differs on rank(s) {others} from rank 0 (items, batch "
+                    f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
+                    "seed every rank alike (fastai's set_seed) before building the DataLoaders"
+                )
+
+    def before_epoch(self) -> None:
+        learn = self.learn
+        # (validate and get_preds fire before_epoch too, holding fastai's lock: only a fit resumes)
+        if self.resume_pending and not self.sweep and not learn.lock.locked():
+            self.resume_pending = False
+            self.restore_checkpoint()
+        self.host.epoch = learn.epoch
+        if not learn.lock.locked():
+            self.fire("before_epoch")
+
+    def before_train(self) -> None:
+        learn, host = self.learn, self.host
+        if self.pending_order is not None:  # the resumed epoch draws its order as it first did
+            order, self.pending_order = self.pending_order, None
+            after = get_rng_state()
+            set_rng_state(order["rng"])
+            learn.dls.train.rng.setstate(as_rng_state(order["fastai"]))
+            self.order_before_epoch = order
+            learn.dl = self.shard(learn.dl, pad=False)
+            learn.dl.on_drawn = lambda: set_rng_state(after)  # then the checkpoint's generators again
+        else:
+            self.order_before_epoch = {"fastai": rng_list(learn.dls.train.rng), "rng": get_rng_state()}
+            learn.dl = self.shard(learn.dl, pad=False)
+        host.dl, host.training, host.n_iter = learn.dl, True, len(learn.dl)
+        host.grad_sync = True
+        host.exact_loss.start_epoch(learn.dl.bs)
+        self.iter_offset = 0
+        if self.skip_to is not None and self.skip_to[0] == learn.epoch and self.skip_to[1]:
+            # Mid-epoch: the epoch's order drawn again, its first batches skipped unloaded, the
+            # schedule where the checkpoint left it.
+            self.iter_offset = self.skip_to[1]
+            learn.dl.set_start(self.iter_offset)
+            learn.train_iter = learn.epoch * len(learn.dl) + self.iter_offset
+            learn.pct_train = learn.train_iter / (len(learn.dl) * learn.n_epoch)
+        self.fire("before_train")
+
+    @property
+    def skipping(self) -> bool:
+        return self.skip_to is not None and self.learn.epoch < self.skip_to[0]
+
+    def restore_checkpoint(self) -> None:
+        """The newest checkpoint, if any: model, optimizer, RNG states, fastai's data order, and the
+        epoch and batch this fit continues at."""
+        host = self.host
+        ckpt = host.get_cb(Checkpoint)
+        if ckpt is None or not ckpt.restore_latest():
+            return
+        self.skip_to = (host.start_epoch, host.start_iter)
+        loaded = self.order_state.loaded
+        if loaded is not None and host.start_iter:
+            self.pending_order = loaded["before_epoch"]
+        elif loaded is not None:
+            self.learn.dls.train.rng.setstate(as_rng_state(loaded["now"]))
+
+    def before_validate(self) -> None:
+        learn, host = self.learn, self.host
+        learn.dl = self.shard(learn.dl, pad=True)
+        host.dl, host.training = learn.dl, False
+
+    # ---- one batch ----------------------------------------------------------------------
+    def _real_rows(self) -> int | None:
+        dl = self.learn.dl
+        return dl.real_rows(self.learn.iter) if isinstance(dl, RankShardedFastaiDL) else None
+
+    def before_batch(self) -> None:
+        learn, host = self.learn, self.host
+        if learn.training:
+            learn.iter += self.iter_offset  # (a resumed epoch's batches keep their own numbers)
+        real = self._real_rows()
+        host.iter, host.training = learn.iter, learn.training
+        host._empty_share = real == 0
+        host._padded_xb = learn.xb
+        if learn.training and real is not None and real < batch_size_of(learn.xb):
+            # Training only: padding must not enter BatchNorm's statistics nor the loss. (An evaluation
+            # batch runs whole; its padded rows are dropped from the outputs before anything scores them.)
+            learn.xb, learn.yb = take_rows(learn.xb, real), take_rows(learn.yb, real)
+        host.xb, host.yb = learn.xb, learn.yb
+        host.pred = host.loss = host.loss_grad = None
+        host.loss_count = 0.0
+        self.fire("before_batch")
+        learn.xb, learn.yb = host.xb, host.yb  # (float64 under `unison check-exact --float64`)
+
+    def after_pred(self) -> None:
+        learn = self.learn
+        real = self._real_rows()
+        if learn.training or real is None:
+            return
+        gather = self.host.collective.gather_ordered
+        # Every rank's rows of this batch, in data order, padding dropped: fastai's loss and metrics
+        # (and get_preds) then see the global batch, the same on every rank.
+        learn.pred = map_tensors(lambda t: gather(take_rows(t, real)), learn.pred)
+        learn.yb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), y) for y in learn.yb)
+
+    def after_loss(self) -> None:
+        learn, host = self.learn, self.host
+        if not learn.training or getattr(learn, "loss_grad", None) is None:
+            return
+        host.pred, host.xb, host.yb = learn.pred, learn.xb, learn.yb
+        host.loss, host.loss_grad = learn.loss.detach(), learn.loss_grad  # this rank's own loss
+        if self.world_size > 1:
+            self._route_loss()
+        self.fire("after_loss")  # NonFiniteCheck: a rank's non-finite loss reaches every rank's gradient
+        learn.loss_grad = host.loss_grad
+
+    def _route_loss(self) -> None:
+        """The batch's mean loss as a sum and a count, through the engine's `ExactLoss`: the step's
+        gradient is then one process's at the global batch; the recorded loss the global batch's."""
+        learn, host = self.learn, self.host
+        mean = learn.loss_grad
+        count = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
+        if host._empty_share:
+            count, total, mean = 0.0, zero_loss(learn.pred), None
+        else:
+            total = mean * count
+        host.exact_loss.count_is_rows = True
+        engine.score(host, total, count, mean)
+        learn.loss_grad = host.loss_grad
+        # (summed over ranks after the backward pass: a rank stalled before it is then seen behind
+        # its peers at DDP's all-reduce, and named)
+        self.loss_terms = torch.stack([total.detach().double().reshape(()), torch.tensor(count).double()])
+
+    def before_backward(self) -> None:
+        self.fire("before_backward")
+
+    def after_backward(self) -> None:
+        learn = self.learn
+        if self.world_size > 1:
+            self.host.exact_loss.normalise_grads(self.host)
+            summed = self.host.collective.sum(self.loss_terms)
+            learn.loss = (summed[0] / summed[1]).to(learn.loss.dtype)  # the global batch's loss, recorded
+        self.fire("after_backward")
+        if not self.sweep:
+            self.host.recorder.losses.append(float(learn.loss.detach()))
+        if self.float64_probe and learn.loss.dtype == torch.float64:
+            # fastai's smoothed loss is float32 whatever the model (its `tensor()` casts float64), and
+            # refuses a float64 loss: under `check-exact --float64` it gets the loss as float32.
+            learn.loss = learn.loss.float()
+
+    def before_step(self) -> None:
+        self.fire("before_step")
+
+    def after_step(self) -> None:
+        self.fire("after_step")
+
+    # ---- leaving ------------------------------------------------------------------------
+    def restore(self) -> None:
+        """The learner's model as it was (unwrapped, BatchNorm plain) and the process group left."""
+        engine.detach_strategy(self.host)
+        self.learn.model = self.host.model
+        self.shards.clear()
+
+
+def _digest(state: Any) -> str:
+    return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
+
+
+def set_world_size_env(value: str | None) -> str | None:
+    """Set (None: remove) `WORLD_SIZE` in this process; returns what it was."""
+    old = os.environ.get("WORLD_SIZE")
+    if value is None:
+        os.environ.pop("WORLD_SIZE", None)
+    else:
+        os.environ["WORLD_SIZE"] = value
+    return old

@@ -1,0 +1,136 @@
+"""`RankShardedFastaiDL`: this rank's share of a fastai `DataLoader`, in the order fastai's own
+shuffle deals one process, following unison's rank-sharded loader protocol
+(`unison.data.ranked.RankShardedLoader`).
+
+fastai draws an epoch's order with `dl.get_idxs()` (its own `random.Random`, reseeded from itself
+every epoch). Every rank builds the same loader from the same seed, so every rank draws the same
+order; this loader asks the wrapped fastai loader for it, then keeps the positions unison's plan
+gives this rank (`unison.data.plan.strided_plan`: rank `r` of `W` takes `r, r+W, ...`, so the
+k-th batches of all ranks together are the k-th batch of one process at batch `W*bs`). Training
+deals exactly the set's items, none twice; evaluation pads by wrapping, and `real_rows(k)` says
+how many leading rows of batch `k` are real (the bridge trims the rest before anything scores them).
+
+Batches are made by the wrapped loader (its `create_batches`, transforms, device), as fastai's
+own `DistributedDL` does; unlike it, nothing here broadcasts through `.cuda()` and no padded item
+is ever counted.
+
+>>> sharded = RankShardedFastaiDL(dls.train, rank=1, world_size=2, pad=False)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastai.data.core import TfmdDL
+from fastai.data.load import _FakeLoader
+from fastai.torch_core import to_detach
+
+from unison.data.plan import RankPlan, strided_plan
+
+__all__ = ["RankShardedFastaiDL"]
+
+
+class RankShardedFastaiDL(TfmdDL):
+    """This rank's share of fastai loader `dl` (see the module's docstring)."""
+
+    def __init__(self, dl: Any, rank: int, world_size: int, pad: bool) -> None:
+        # Like fastai's own DistributedDL: no TfmdDL.__init__ (it would build a second pipeline);
+        # the wrapped loader makes every batch.
+        self.dl, self.rank, self.world_size, self.pad = dl, rank, world_size, pad
+        self.bs, self.drop_last, self.dataset = dl.bs, dl.drop_last, dl.dataset
+        self.num_workers, self.offs, self.pin_memory = dl.num_workers, dl.offs, dl.pin_memory
+        self.device = dl.device
+        fake = dl.fake_l
+        self.fake_l = _FakeLoader(
+            self,
+            fake.pin_memory,
+            fake.num_workers,
+            fake.timeout,
+            persistent_workers=fake.persistent_workers,
+            pin_memory_device=fake.pin_memory_device,
+        )
+        self._plan = RankPlan([], [0], [])
+        self._start = 0
+        self.on_drawn: Any = None  # called once after the next epoch's order is drawn (a resume)
+
+    # ---- the plan ----------------------------------------------------------------------
+    @property
+    def n_global(self) -> int:
+        """Items in one epoch of the wrapped loader (what one process iterates)."""
+        return int(self.dl.n)
+
+    def __len__(self) -> int:
+        """Batches per epoch, the same on every rank (and one process's count at batch `W*bs`)."""
+        n, world, bs = self.n_global, self.world_size, self.bs
+        if self.pad:
+            return math.ceil(math.ceil(n / world) / bs)
+        global_bs = world * bs
+        return n // global_bs if self.drop_last else math.ceil(n / global_bs)
+
+    def get_idxs(self) -> list[Any]:
+        order = list(self.dl.get_idxs())  # fastai's own order for this epoch, drawn alike on every rank
+        if self.on_drawn is not None:
+            drawn, self.on_drawn = self.on_drawn, None
+            drawn()
+        self._plan = strided_plan(order, self.rank, self.world_size, self.bs, len(self), self.pad)
+        start, self._start = self._start, 0
+        return [i for batch in self._plan.batches(start) for i in batch]
+
+    # ---- unison's rank-sharded loader protocol -----------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """fastai's order follows its own generator, epoch after epoch: nothing to set."""
+
+    def set_start(self, batch_index: int) -> None:
+        self._start = int(batch_index)
+
+    def real_rows(self, batch_index: int) -> int:
+        real = self._plan.real
+        return real[batch_index] if batch_index < len(real) else 0
+
+    def global_rows(self, batch_index: int) -> int:
+        global_bs = self.world_size * self.bs
+        return max(0, min(global_bs, self.n_global - batch_index * global_bs))
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Nothing beyond the step (see `state_dict`)."""
+
+    # ---- the wrapped loader does the rest ----------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.bs
+
+    @property
+    def n_inp(self) -> int:
+        return self.dl.n_inp
+
+    def randomize(self) -> None:
+        self.dl.randomize()
+
+    def before_iter(self) -> None:
+        self.dl.before_iter()
+
+    def after_batch(self, b: Any) -> Any:
+        return self.dl.after_batch(b)
+
+    def after_iter(self) -> None:
+        self.dl.after_iter()
+
+    def create_batches(self, samps: Any) -> Any:
+        return self.dl.create_batches(samps)
+
+    def decode(self, b: Any) -> Any:
+        return self.dl.decode(b)
+
+    def decode_batch(self, b: Any, max_n: int = 9, full: bool = True) -> Any:
+        return self.dl.decode_batch(b, max_n, full)
+
+    def to_detach(self, b: Any, cpu: bool = True, gather: bool = True) -> Any:
+        """Detached, never gathered again: the bridge hands fastai every rank's rows already."""
+        return to_detach(b, cpu, gather=False)
+
+    def __repr__(self) -> str:
+        return f"RankShardedFastaiDL(rank={self.rank}, world_size={self.world_size}, batches={len(self)})"

@@ -91,7 +91,7 @@ def _result(proc, timeout=120):
     return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_two_srun_tasks_without_a_launcher_train_as_one_process(tmp_path):
     """`srun --ntasks=2 python train.py`, simulated: two processes given only srun's variables form
     the group themselves and end on the weights of one process at the same global batch."""

@@ -16,8 +16,6 @@ from torch import nn
 
 from unison import mp_spawn
 
-pytestmark = pytest.mark.slow  # real processes
-
 STEPS = 3
 
 
@@ -46,6 +44,7 @@ def main_worker(gpu, ngpus_per_node, out_dir):
     return flat
 
 
+@pytest.mark.procs
 def test_mp_spawn_runs_seed003_workers_with_the_index_first(tmp_path):
     assert inspect.signature(mp_spawn).parameters.keys() == inspect.signature(mp.spawn).parameters.keys()
     # spawn, not fork: forking a pytest process that has run OpenMP and gloo threads can deadlock.

@@ -88,7 +88,7 @@ def moments() -> list[tuple[str, str, int, str, float, int]]:
     return [(*moment, rng.randint(1, STEPS - 4)) for moment in chosen]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(int(os.environ.get("UNISON_PREEMPT_RUNS", "3")) * 2 * WAIT_S)  # each launch is bounded
 def test_a_signal_at_random_moments_ends_75_in_the_grace_and_resumes_to_the_same_weights(
     tmp_path: Path, uninterrupted: str
@@ -140,7 +140,7 @@ def test_signals_to_handle_default_env_and_bad_names(tmp_path: Path, monkeypatch
         handled("--signals-to-handle", "SIGTERM,SIGFOO")
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_the_slurm_recipe_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
     """examples/slurm/train.sbatch's way 1, without SLURM: examples/train_digits.py --every 5 run as one
     task with the job's variables (SLURM_JOB_ID, UNISON_REQUEUE=1) and a fake `scontrol` on PATH that

@@ -115,6 +115,31 @@ def test_a_full_disk_stops_the_job_naming_it_and_does_not_restart_into_it(tmp_pa
     assert leftover_workers(str(tmp_path)) == []
 
 
+def test_a_read_only_checkpoint_folder_is_not_restarted_into(tmp_path):
+    """`OSError: [Errno 30]` will happen again after a restart: --max-restarts 2 used to spend both
+    restarts on it (three attempts, each failing at its first checkpoint)."""
+    with disks.read_only(tmp_path / "ro") as folder:
+        proc, _ = launch(folder, "--max-restarts", "2", timeout=120)
+    assert proc.returncode != 0
+    assert "[Errno 30] Read-only file system" in proc.stderr, proc.stderr[-3000:]
+    assert "not restarting: rank " in proc.stderr, proc.stderr[-3000:]
+    assert "restarting the workers" not in proc.stderr
+    assert leftover_workers(str(tmp_path)) == []
+
+
+def test_a_refused_checkpoint_is_not_restarted_into(tmp_path):
+    """A damaged checkpoint is refused (`CheckpointError`) at every resume: no restart is spent on it."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "checkpoint.pth").write_bytes(b"not a checkpoint")
+    proc, _ = launch(tmp_path, "--max-restarts", "2", timeout=120)
+    assert proc.returncode != 0
+    assert "CheckpointError: " in proc.stderr and "damaged or truncated" in proc.stderr, proc.stderr[-3000:]
+    assert "not restarting: rank " in proc.stderr, proc.stderr[-3000:]
+    assert "restarting the workers" not in proc.stderr
+    assert (tmp_path / "models" / "checkpoint.pth").read_bytes() == b"not a checkpoint"  # left as it was
+    assert leftover_workers(str(tmp_path)) == []
+
+
 @pytest.mark.parametrize("restarts,written", [(1, ""), (0, '{"message": {"mess')])
 def test_a_rank_killed_while_writing_its_error_file_is_restarted_and_named(tmp_path, restarts, written):
     """torch's agent reads a failed rank's error file with json.load: an empty or torn one (the rank

@@ -249,3 +249,46 @@ def test_resume_on_more_processes_mid_epoch(pool2, pool3, tmp_path):
             for row_g, row_e in zip(got, expected, strict=True)
             for g, e in zip(row_g, row_e, strict=True)
         )
+
+
+class CountSteps(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def after_step(self):
+        self.steps += 1
+
+
+def _fit_into(path):
+    """(error message, steps trained) of a fit whose checkpoints go to `path`."""
+    learn, counter = _learner(path, 6), CountSteps()
+    try:
+        with learn.distrib_ctx():
+            _fit(learn, cbs=[counter])
+    except CheckpointError as exc:
+        return str(exc), counter.steps
+    return None, counter.steps
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_the_first_step(tmp_path):
+    """A read-only folder used to be found at the first save, after a step had trained (OSError:
+    [Errno 30] from inside the save); now before any step, in one line naming the folder and errno."""
+    from tests.fault_scripts import disks
+
+    with disks.read_only(tmp_path / "ro") as folder:
+        message, steps = _fit_into(folder)
+    assert steps == 0, message
+    assert message is not None and "\n" not in message
+    assert f"{folder / 'models'}" in message and "[Errno 30] Read-only file system" in message, message
+
+
+def test_every_rank_refuses_an_unwritable_checkpoint_folder_before_the_first_step(pool2, tmp_path):
+    """Rank 0 writes the checkpoints and finds the folder read-only: every rank raises the same
+    error before the first step, none is left waiting in a collective."""
+    from tests.fault_scripts import disks
+
+    with disks.read_only(tmp_path / "ro") as folder:
+        results = pool2.run(_fit_into, folder)
+    assert [steps for _, steps in results] == [0, 0]
+    messages = {message for message, _ in results}
+    assert len(messages) == 1 and "[Errno 30] Read-only file system" in messages.pop()

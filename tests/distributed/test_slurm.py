@@ -1,22 +1,32 @@
-"""SLURM without a launcher: `srun python train.py` tasks find their place from SLURM's variables.
+"""SLURM for real: sbatch, srun, scancel and scontrol requeue on a slurmctld and a slurmd.
 
-No SLURM runs here: the tests give real processes exactly the variables srun sets for the tasks
-of a step (and a batch script or an salloc shell the ones they carry), and check the host-list
-forms SLURM writes against hand-expanded lists."""
+The cluster (tests/slurm_cluster.py: Debian's slurm-wlm 22.05, munged, one node, this machine)
+is started once for the session by the `slurm` fixture and stopped at its end; without the
+packages (`make slurm-deps` installs them) those tests are skipped, saying so. The unit tests
+at the top parse the host-list forms SLURM writes and the variables of a task, a batch script
+and an salloc shell (SLURM gives those in the jobs below as well)."""
 
 import json
 import os
-import subprocess
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from tests.worker_pool import free_port
-from unison.distributed.env import DistribEnv
+from tests.slurm_cluster import SlurmCluster, why_unavailable
+from tests.slurm_job import N_TRAIN, OPTIMIZERS, make_data, make_model
+from unison.distributed.env import DistribEnv, threads_per_worker
 from unison.distributed.slurm import expand_hostlist, is_srun_task, job_port
 
-TRAIN = str(Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py")
+ROOT = Path(__file__).resolve().parent.parent.parent
+JOB = str(ROOT / "tests" / "slurm_job.py")
+PY = sys.executable
+UNISON = str(Path(sys.executable).parent / "unison")
+WAIT_S = 240  # bound on any one job (they take 5-30 s on a loaded 2-core machine)
 
 
 @pytest.mark.parametrize(
@@ -81,55 +91,211 @@ def test_a_batch_script_an_salloc_shell_and_torchrun_inside_a_job_are_not_srun_t
     assert (DistribEnv.from_environ(torchrun).rank, DistribEnv.from_environ(torchrun).world_size) == (5, 8)
 
 
-def _run(cmd, env, timeout=120):
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM cluster for the whole session (munged, slurmctld, one slurmd), stopped after."""
+    why = why_unavailable()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster.start(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
-def _result(proc, timeout=120):
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-3000:]
-    return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+def plain_weights(opt: str, epochs: int, bs: int = 16) -> list[float]:
+    """One process, batch `bs`, in order: the reference every SLURM run must end on."""
+    x, y = make_data()
+    model = make_model()
+    cls, lr = OPTIMIZERS[opt]
+    optimizer = cls(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        for k in range(N_TRAIN // bs):
+            loss = nn.functional.mse_loss(model(x[k * bs : (k + 1) * bs]), y[k * bs : (k + 1) * bs])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return [float(v) for p in model.parameters() for v in p.detach().flatten()]
 
 
-@pytest.mark.procs
-def test_two_srun_tasks_without_a_launcher_train_as_one_process(tmp_path):
-    """`srun --ntasks=2 python train.py`, simulated: two processes given only srun's variables form
-    the group themselves and end on the weights of one process at the same global batch."""
-    base = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    base.pop("LOCAL_RANK", None)
-    port = free_port()
-    tasks = []
-    for rank in range(2):
-        env = dict(base, **srun_env(rank, world=2, per_node=2, job=str(port - 15000)))
-        env.update(SLURM_JOB_NODELIST="localhost", SLURM_STEP_NODELIST="localhost", UNISON_TIMEOUT="60")
-        tasks.append(_run([sys.executable, TRAIN, "--bs", "8"], env))
-    (two,) = [r for t in tasks for r in _result(t)]
-    (one,) = _result(_run([sys.executable, TRAIN, "--bs", "16"], base))
-    assert two["weights"] == pytest.approx(one["weights"], rel=1e-6)
-    assert two["valid"] == pytest.approx(one["valid"], abs=1e-6)
+def results(folder: Path, pattern: str = "*.json") -> list[dict]:
+    """What the job's ranks wrote (tests/slurm_job.py --results), by file name: opt, attempt, rank."""
+    return [json.loads(f.read_text()) for f in sorted(folder.glob(pattern))]
 
 
-def test_one_launcher_per_node_takes_the_machines_and_node_0_from_slurm(monkeypatch, tmp_path):
-    """`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py` on 2 nodes, simulated:
-    the launcher of node 1 finds 2 machines, its rank 1, and node 0's host and the job's port."""
-    from unison.launch.launcher import parse_options
-    from unison.launch.options import LaunchError
+def stopped(out: Path) -> list[dict]:
+    """The `STOPPED {"rank": r, "time": t}` lines the job's preempted ranks printed."""
+    lines = out.read_text().splitlines()
+    return [json.loads(m.group(1)) for line in lines if (m := re.search(r"STOPPED (\{.*?\})", line))]
 
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))]:
-        monkeypatch.delenv(name)
-    step = dict(srun_env(1, world=2, per_node=1), SLURM_STEP_NUM_NODES="2", SLURM_NODEID="1")
-    step.update(SLURM_JOB_NODELIST="localhost,cn08", SLURM_STEP_NODELIST="localhost,cn08")
-    for k, v in step.items():
-        monkeypatch.setenv(k, v)
-    opts = parse_options(["--nproc-per-node", "2", str(script)])
-    assert (opts.max_nodes, opts.node_rank, opts.nproc) == (2, 1, 2)
-    assert (opts.master_addr, opts.master_port) == ("localhost", 19242)
-    given = parse_options(["--nnodes", "1", "--nproc-per-node", "2", str(script)])  # the command line wins
-    assert given.max_nodes == 1
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # --ntasks-per-node=2: two launchers per node
-    with pytest.raises(LaunchError, match="srun started 4 tasks on 2 nodes"):
-        parse_options(["--nproc-per-node", "2", str(script)])
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What the submitting shell exports (sbatch passes it on): this Python's bin first on PATH, as
+    an activated virtualenv would be, and a bounded wait for a lost peer."""
+    return {"PATH": f"{Path(PY).parent}:{os.environ['PATH']}", "UNISON_TIMEOUT": "60", **extra}
+
+
+def ended(slurm: SlurmCluster, job: str, out: Path) -> dict[str, str]:
+    info = slurm.wait_done(job, WAIT_S)
+    info["output"] = out.read_text() if out.exists() else "(no output file)"
+    return info
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT_S)
+def test_sbatch_ntasks_2_srun_python_trains_as_one_process_with_a_share_of_the_cores(slurm, tmp_path):
+    """`sbatch --ntasks=2` + `srun python train.py`, no launcher: the two tasks form the group from
+    SLURM's variables and end on the weights of one process at the same global batch (AdamW here,
+    SGD in the tests below). Each task runs on its share of the cores, as under `unison launch`
+    (each ran as many threads as the machine has cores: 2 tasks x 2 threads on 2 cores)."""
+    out = tmp_path / "job.out"
+    cmd = f"srun {PY} {JOB} --results {tmp_path} --bs 8 --opt adamw"
+    job = slurm.sbatch(["--ntasks=2", f"--output={out}", "--wrap", cmd], env=job_env())
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    got = results(tmp_path)
+    assert sorted((r["rank"], r["world"]) for r in got) == [(0, 2), (1, 2)]
+    assert [r["threads"] for r in got] == [threads_per_worker(2)] * 2
+    expected = plain_weights("adamw", epochs=2)
+    print(f"srun, AdamW: {max(max_diff(r['weights'], expected) for r in got):.1e} from one process")
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT_S)
+def test_one_unison_launch_per_node_under_srun(slurm, tmp_path):
+    """`srun --ntasks-per-node=1 unison launch --nproc-per-node 2 train.py`: the launcher takes the
+    machines, its node's rank and node 0's address and port from SLURM, and the job ends on one
+    process's weights. A step with more launchers than nodes is refused naming both numbers."""
+    out = tmp_path / "job.out"
+    cmd = f"srun --ntasks-per-node=1 {UNISON} launch --nproc-per-node 2 {JOB} --results {tmp_path} --bs 8"
+    job = slurm.sbatch(
+        ["--nodes=1", "--ntasks=1", "--cpus-per-task=2", f"--output={out}", "--wrap", cmd], env=job_env()
+    )
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    got = results(tmp_path)
+    threads = threads_per_worker(2)
+    assert sorted((r["rank"], r["world"], r["threads"]) for r in got) == [(0, 2, threads), (1, 2, threads)]
+    expected = plain_weights("sgd", epochs=2)
+    print(
+        f"unison launch under srun: {max(max_diff(r['weights'], expected) for r in got):.1e} from one process"
+    )
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in got)
+    said = f"unison launch: 2 process(es) on this machine; {threads} thread(s) each"
+    assert said in info["output"], info["output"][-3000:]
+
+    refused_out = tmp_path / "refused.out"
+    cmd = f"srun {UNISON} launch --nproc-per-node 2 {JOB} --results {tmp_path}"
+    job = slurm.sbatch(["--ntasks=2", f"--output={refused_out}", "--wrap", cmd], env=job_env())
+    info = ended(slurm, job, refused_out)
+    assert info["JobState"] == "FAILED", info["output"][-3000:]
+    assert "srun started 2 tasks on 1 nodes, but unison launch runs one per node" in info["output"]
+
+
+def wait_for(path: Path, job: str, slurm: SlurmCluster) -> None:
+    """Poll until `path` exists (the job's cue), failing at once if the job ended first."""
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} is {state} before {path.name}"
+        assert time.monotonic() < deadline, f"no {path} after {WAIT_S} s"
+        time.sleep(0.05)
+
+
+def steps_trained(folder: Path, rank: int) -> list[tuple[int, int]]:
+    """(attempt, global step) of every optimizer step rank `rank` finished, in order."""
+    lines = (folder / f"steps-{rank}").read_text().split("\n")
+    return [(int(a), int(s)) for a, s in (line.split() for line in lines if line)]
+
+
+PREEMPTIBLE = (
+    f"srun {PY} {JOB} --bs 8 --epochs 3 --every 100 --step-s 0.2"  # 12 steps; one checkpoint: the stop's
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT_S)
+def test_scancel_signal_usr1_stops_every_rank_checkpointed_and_the_job_resumes(slurm, tmp_path):
+    """`scancel --signal=USR1` (what `#SBATCH --signal=USR1@90` sends before the time limit) reaches
+    every task of the step: each rank stops at one step with the checkpoint written, the tasks exit
+    75 and so does the job. Submitted again, it resumes from the checkpoint, trains no step twice and
+    ends on the weights of one uninterrupted process."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "job.out"
+    ckpt.mkdir()
+    cmd = f"{PREEMPTIBLE} --results {tmp_path} --dir {ckpt} --ready 3"
+    job = slurm.sbatch(["--ntasks=2", f"--output={out}", "--wrap", cmd], env=job_env())
+    wait_for(ckpt / "ready", job, slurm)
+    sent = time.time()
+    slurm.run(["scancel", "--signal=USR1", job])
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "75:0"), info["output"][-3000:]
+    stops = stopped(out)
+    assert sorted(s["rank"] for s in stops) == [0, 1], info["output"][-3000:]
+    lag = max(s["time"] for s in stops) - sent
+    print(f"every rank stopped {lag:.2f} s after scancel --signal=USR1")
+    assert lag < 60
+    assert "unison: preempted by SIGUSR1: every rank stopped" in info["output"]
+    exits = re.findall(r"srun: error: \S+: tasks? ([-\d]+): Exited with exit code 75", info["output"])
+    assert exits in (["0-1"], ["0", "1"], ["1", "0"]), info["output"][-3000:]  # srun's own account
+    assert (ckpt / "models" / "checkpoint.pth").exists()
+    done = steps_trained(ckpt, 0)
+    assert 4 <= len(done) < 12, done  # stopped after the cue, before the end
+
+    out2 = tmp_path / "again.out"
+    job = slurm.sbatch(
+        ["--ntasks=2", f"--output={out2}", "--wrap", f"{PREEMPTIBLE} --results {tmp_path} --dir {ckpt}"],
+        env=job_env(),
+    )
+    info = ended(slurm, job, out2)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"][-3000:]
+    for rank in (0, 1):
+        assert [s for _, s in steps_trained(ckpt, rank)] == list(range(12))  # each step once
+    expected = plain_weights("sgd", epochs=3)
+    diff = max(max_diff(r["weights"], expected) for r in results(tmp_path))
+    print(f"preempted and resumed: {diff:.1e} from one process")
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in results(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT_S)
+def test_the_real_scontrol_requeue_restarts_the_job_where_it_stopped(slurm, tmp_path):
+    """`#SBATCH --requeue` with UNISON_REQUEUE=1: on `scancel --signal=USR1` rank 0 runs the real
+    `scontrol requeue` once the checkpoint is written; SLURM then kills the job's tasks itself (they
+    end by its SIGTERM a moment after the checkpoint, not with 75), holds the job `cred_expire + 1`
+    s (6 s here: tests/slurm_cluster.py) and starts it again with the same id; the job resumes, no
+    step is trained twice, and it ends on one uninterrupted process's weights."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "job.out"
+    ckpt.mkdir()
+    cmd = f"{PREEMPTIBLE} --results {tmp_path} --dir {ckpt} --ready 5"
+    args = ["--ntasks=2", "--requeue", "--open-mode=append", f"--output={out}", "--wrap", cmd]
+    job = slurm.sbatch(args, env=job_env(UNISON_REQUEUE="1"))
+    wait_for(ckpt / "ready", job, slurm)
+    slurm.run(["scancel", "--signal=USR1", job])
+    requeued = time.time()
+    held = slurm.wait_state(job, {"PENDING"}, WAIT_S)
+    info = slurm.wait_state(job, {"RUNNING"}, WAIT_S)
+    again = time.time() - requeued
+    print(f"held ({held['Reason']}) until {held['EligibleTime']}; ran again {again:.1f} s after the signal")
+    info = ended(slurm, job, out)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), info["output"]
+    assert f"job {job} requeued (scontrol requeue {job})" in info["output"]
+    assert f"JOB {job} ON {slurm.node} CANCELLED AT" in info["output"]  # SLURM ends the first attempt
+    # ...by SIGTERM to every task ("Terminated"), or after a task left with 75 ("Exited with exit code 75")
+    ends = re.findall(
+        r"srun: error: \S+: tasks? [-\d]+: (Terminated|Exited with exit code 75)", info["output"]
+    )
+    assert ends, info["output"]
+    print(f"the first attempt's tasks: {ends}")
+    for rank in (0, 1):
+        steps = steps_trained(ckpt, rank)
+        assert [s for _, s in steps] == list(range(12)), steps  # each step once, over the two attempts
+        assert {a for a, _ in steps} == {0, 1}
+    got = results(tmp_path)
+    assert [(r["attempt"], r["rank"]) for r in got] == [("1", 0), ("1", 1)]
+    expected = plain_weights("sgd", epochs=3)
+    print(f"requeued and resumed: {max(max_diff(r['weights'], expected) for r in got):.1e} from one process")
+    assert all(max_diff(r["weights"], expected) < 1e-6 for r in got)

@@ -213,3 +213,89 @@ def test_a_script_that_keeps_its_per_process_batch_is_refused(tmp_path: Path) ->
         proc.stderr
     )
     assert "verdict" not in proc.stdout
+
+
+def test_the_verdict_states_the_tolerance_each_figure_is_judged_at() -> None:
+    """float64 runs whose weights agree to 1e-12 and whose epoch values (reduced in float32 by unison)
+    agree to 6.2e-8: the line said "(<= 1e-08), metrics to 6.2e-08" and "exact" beside it. Each
+    figure now comes with the bound it is judged at, and a metric beyond its bound is named as such."""
+    one = record({"w": [1.0]}, [0.5], [0.5, 0.4, 1.0])
+    close = record({"w": [1.0 + 1e-12]}, [0.5], [0.5, 0.4 * (1 + 6.2e-8), 1.0])
+    status, line = verdict(compare(one, one), compare(one, close), 2, None)
+    assert status == 0, line
+    assert (
+        "agree with 1 to 1.0e-12 relative (<= 1e-08), metrics to 6.2e-08 (<= 1e-05: unison reduces " in line
+    )
+    far = record({"w": [1.0 + 1e-12]}, [0.5], [0.5, 0.4 * (1 + 3e-5), 1.0])
+    status, line = verdict(compare(one, one), compare(one, far), 2, None)
+    assert status == 1, line
+    assert "differ from 1 by 1.0e-12 relative (<= 1e-08), metrics to 3.0e-05 (> 1e-05: unison" in line
+    status, line = verdict(compare(one, close), None, 2, None)  # float32 alone: one tolerance for both
+    assert status == 0 and "differ by 1.0e-12 relative (<= 1e-05), metrics to 6.2e-08 (<= 1e-05);" in line
+
+
+def test_a_gradient_of_rounding_noise_is_named_as_the_likely_cause() -> None:
+    """Per-parameter gradient sizes (relative to the model's largest) as the probe records them, with
+    the figures measured on a Linear bias before a BatchNorm: 8.5e-17 and 7.3e-17 in float64."""
+    from unison.launch.check import noise_hint, rounding_noise_gradients
+
+    runs = [
+        {"float64": True, "grad_ratio": {"0.weight": 0.55, "0.bias": 8.5e-17, "3.bias": 1e-9}},
+        {"float64": True, "grad_ratio": {"0.weight": 0.55, "0.bias": 7.3e-17, "3.bias": 1e-9}},
+    ]
+    assert rounding_noise_gradients(runs) == {"0.bias": 8.5e-17}  # 1e-9 is a small real gradient
+    as32 = [{**r, "float64": False} for r in runs]  # float32's epsilon is 1.2e-7: 1e-9 is noise there
+    assert rounding_noise_gradients(as32) == {"0.bias": 8.5e-17, "3.bias": 1e-9}
+    assert rounding_noise_gradients([runs[0], {"float64": True, "grad_ratio": {"0.bias": 0.1}}]) == {}
+    line = noise_hint({"0.bias": 8.5e-17}, ["0.bias", "1.running_mean", "0.bias"], "float64")
+    assert line.startswith("hint: 0.bias's gradient is zero but for rounding (at most 8.5e-17 of the ")
+    assert "bias=False" in line and "\n" not in line
+    assert noise_hint({"0.bias": 8.5e-17}, ["3.weight"], "float64") is None  # not among the differing
+
+
+# A Linear with a bias before a BatchNorm, under AdamW: that bias's gradient is float noise.
+BIAS_BEFORE_NORM = """
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import DataLoaders, Learner, set_seed
+from unison.distributed import num_distrib
+
+set_seed(0)
+x = torch.randn(256, 8)
+y = (x[:, 0] > 0).long()
+ds = TensorDataset(x, y)
+dls = DataLoaders(DataLoader(ds, batch_size=64 // num_distrib(), shuffle=True), DataLoader(ds, batch_size=64))
+model = nn.Sequential(nn.Linear(8, 16, bias="--no-bias" not in sys.argv), nn.BatchNorm1d(16), nn.ReLU(),
+                      nn.Linear(16, 2))
+learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2)  # AdamW, the default
+with learn.distrib_ctx():
+    learn.fit(2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_bias_before_a_batchnorm_is_named_as_the_cause_of_the_difference(tmp_path: Path) -> None:
+    """The README's old example in small: float32 differs (AdamW's steps on the bias's noise), float64
+    agrees, and the check names `0.bias` as the likely cause; without the bias there is no hint."""
+    script = tmp_path / "bias.py"
+    script.write_text(BIAS_BEFORE_NORM)
+    keep = tmp_path / "keep"
+    args = ["--nproc", "2", "--steps", "4", "--float64", "--keep", str(keep), str(script)]
+    proc = check_exact(args, tmp_path, 370)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, each32 = max_dw(keep, "float32")
+    assert max(each32, key=each32.get) == "0.bias" and each32["0.bias"] > 1e-4  # far past rounding
+    hints = [line for line in proc.stdout.splitlines() if line.startswith("hint:")]
+    assert len(hints) == 1 and hints[0].startswith("hint: 0.bias's gradient is zero but for rounding"), (
+        proc.stdout
+    )
+    ratios = torch.load(keep / "1p-float64.pt", weights_only=True)["grad_ratio"]
+    assert ratios["0.bias"] < 1e-14 < 1e-3 < ratios["0.weight"]  # noise against a real gradient
+    proc = check_exact([*args[:-1], str(script), "--no-bias"], tmp_path, 370)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hint:" not in proc.stdout

@@ -128,13 +128,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
 # ---- the kernel's OOM killer ----------------------------------------------------------------------
 @contextlib.contextmanager
 def memory_cgroup(limit: int) -> Iterator[Path]:
-    """A memory cgroup holding at most `limit` bytes (v1 or v2); skip the test where none can be made."""
+    """A memory cgroup holding at most `limit` bytes (v1 or v2), inside this process's own memory cgroup
+    (a launch started here is in it: as a cluster's per-job cgroup holds every process of a job, so
+    the launcher counts its OOM kills as this job's); skip the test where none can be made."""
     name = f"unison-oom-{uuid.uuid4().hex[:8]}"
     v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-    if v1.is_dir():
-        path, limit_file = v1 / name, "memory.limit_in_bytes"
-    elif (v2 / "cgroup.subtree_control").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text():
-        path, limit_file = v2 / name, "memory.max"
+    own = {
+        c: p.lstrip("/")
+        for _, c, p in (x.split(":", 2) for x in Path("/proc/self/cgroup").read_text().split())
+    }
+    memory_v1 = next((p for c, p in own.items() if "memory" in c.split(",")), None)
+    if v1.is_dir() and memory_v1 is not None:
+        path, limit_file = v1 / memory_v1 / name, "memory.limit_in_bytes"
+    elif (v2 / own.get("", "") / "cgroup.subtree_control").exists() and "memory" in (
+        v2 / own.get("", "") / "cgroup.subtree_control"
+    ).read_text():
+        path, limit_file = v2 / own.get("", "") / name, "memory.max"
     else:
         pytest.skip("no memory cgroup controller here (a real OOM kill needs one)")
     try:
@@ -356,10 +365,11 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     tmp_path: Path,
 ) -> None:
     """Two jobs on the same two machines, one without restarts and one with --max-restarts 1; the
-    link between the machines goes down mid-epoch for 12 s (--timeout 5) and comes back. Without
-    restarts both machines end within timeout + 30 s, each naming the rank it lost; with a restart
-    the rendezvous waits for the lost machine (it used to give up after --timeout, as the cut was
-    still on), and the job ends on the uninterrupted weights."""
+    link between the machines goes down mid-epoch (--timeout 5) and comes back only once the job
+    without restarts ended on both machines (at least 12 s). Without restarts both machines end
+    within timeout + 30 s of the cut, each naming the rank it lost, while the link is still down;
+    with a restart the rendezvous waits for the lost machine (it used to give up after --timeout,
+    as the cut was still on), and the job ends on the uninterrupted weights."""
     cut_s = 12
 
     def node(i: int, folder: Path, port: int, restarts: int) -> Job:
@@ -393,7 +403,12 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     ]
     for w in waiters:
         w.start()
-    time.sleep(cut_s)
+    # The link stays down until both jobs without restarts ended (or their bound passed): the far
+    # machine used to end only when the link came back, whatever the cut's length.
+    deadline = cut + 5 + 30 + 15
+    while time.monotonic() < deadline and not ("once0" in ended and "once1" in ended):
+        time.sleep(0.2)
+    time.sleep(max(0.0, cut + cut_s - time.monotonic()))  # the restarting job sees a cut of >= cut_s
     link(machines, up=True)
     for w in waiters:
         w.join(WAIT_S)

@@ -66,3 +66,52 @@ def test_mp_spawn_runs_seed003_workers_with_the_index_first(tmp_path):
 def test_mp_spawn_refuses_join_false_before_starting_anything():
     with pytest.raises(ValueError, match="join=False is not supported"):
         mp_spawn(main_worker, args=(2, "/nonexistent"), nprocs=2, join=False)
+
+
+# Under `unison launch`, the worker spawns 2 processes that report their intra-op thread counts.
+THREADS_SCRIPT = """
+import os, sys
+import torch
+from unison import mp_spawn
+
+
+def report(index, folder):
+    with open(os.path.join(folder, f"child{index}"), "w") as fh:
+        fh.write(str(torch.get_num_threads()))
+
+
+if __name__ == "__main__":
+    with open(os.path.join(sys.argv[1], "worker"), "w") as fh:
+        fh.write(str(torch.get_num_threads()))
+    mp_spawn(report, nprocs=2, args=(sys.argv[1],))
+"""
+
+
+@pytest.mark.parametrize("user_threads", [None, "3"])
+def test_processes_spawned_by_a_launched_worker_divide_its_share_of_the_cores(tmp_path, user_threads):
+    """`unison launch --nproc 1` gives its one worker every core; the 2 processes that worker spawns
+    each inherited that count (2 + 2 threads on 2 cores). They divide it now; a count the user set
+    (OMP_NUM_THREADS=3) is per process, as given."""
+    import subprocess
+    import sys
+
+    from unison.distributed.env import usable_cores
+
+    cores = usable_cores()
+    if cores < 2 and user_threads is None:
+        pytest.skip("one core: nothing to divide")
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if user_threads is not None:
+        env["OMP_NUM_THREADS"] = user_threads
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script), str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worker = int((tmp_path / "worker").read_text())
+    children = sorted(int((tmp_path / f"child{i}").read_text()) for i in range(2))
+    if user_threads is None:
+        assert worker == cores  # the launcher's rule: cores / 1 process
+        assert children == [max(1, cores // 2)] * 2  # the worker's share, divided between its 2
+    else:
+        assert worker == 3 and children == [3, 3]

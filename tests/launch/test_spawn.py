@@ -293,3 +293,31 @@ def test_seed003_example(example_job):
     assert "epoch 2, resumed from stage1 under distrib_ctx (env://): ranks agree: True" in out
     diff = float(out.split("1 process at batch 16| = ")[1].split()[0])
     assert diff < 1e-5
+
+
+# Frozen rank 0 used to hang the call for good (its store, which rank 1's watchdog published its
+# "left" beat to while shutting down, lives in the frozen process); a frozen rank 1 took 42 s
+# (torch's agent waited 30 s to kill a stopped process that never acts on its SIGTERM).
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path, frozen):
+    script = ROOT / "tests" / "fault_scripts" / "spawn_freeze.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(frozen), "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            child.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"spawn with frozen rank {frozen} still running after 150 s:\n{out[-3000:]}")
+    frozen_for = ended - float((tmp_path / "frozen_at").read_text())
+    assert proc.returncode == 3, out[-3000:]
+    assert f"rank {frozen} stopped taking part" in out, out[-3000:]
+    assert frozen_for < 5 + 30, (frozen_for, out[-3000:])

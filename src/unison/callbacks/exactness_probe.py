@@ -97,6 +97,33 @@ def fingerprint(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return prints
 
 
+def note_gradient_sizes(learn: Any, ratios: dict[str, float]) -> None:
+    """Keep in `ratios`, per parameter, the largest over steps of max|grad| / (the model's max|grad|).
+
+    A parameter whose true gradient is zero (a bias that a following BatchNorm cancels) has a
+    computed gradient of pure rounding noise: a ratio near the dtype's epsilon (`unison
+    check-exact` names it as the likely cause of a difference). Every rank calls it (FSDP2
+    shards are gathered).
+
+    >>> ratios = {}; note_gradient_sizes(learn, ratios); ratios["0.bias"]
+    3.1e-17
+    """
+    sizes: dict[str, float] = {}
+    for name, param in learn.raw_model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        full = getattr(grad, "full_tensor", None)
+        if callable(full):  # a DTensor (FSDP2)
+            grad = full()
+        sizes[name] = float(grad.detach().abs().max()) if grad.numel() else 0.0
+    largest = max(sizes.values(), default=0.0)
+    if not largest > 0:  # no gradient, or NaN: nothing to compare with
+        return
+    for name, size in sizes.items():
+        ratios[name] = max(ratios.get(name, 0.0), size / largest)
+
+
 class ExactnessProbe(Callback):
     """Stop the first fit after `steps` optimizer steps and write what it reached to `path` (rank 0).
 
@@ -126,6 +153,7 @@ class ExactnessProbe(Callback):
         self.loss_start = len(learn.recorder.losses)
         self.values_start = len(learn.recorder.values)
         self.initial = fingerprint(full_state(learn))
+        self.grad_ratio: dict[str, float] = {}
         if self.float64:
             self._dtype = torch.get_default_dtype()
             torch.set_default_dtype(torch.float64)
@@ -137,6 +165,10 @@ class ExactnessProbe(Callback):
         learn.xb, learn.yb = to_float64(learn.xb), to_float64(learn.yb)
         if hasattr(learn, "_padded_xb"):  # what an empty validation share runs forward
             learn._padded_xb = to_float64(learn._padded_xb)
+
+    def before_step(self) -> None:
+        if self.active and self.learn.training:
+            note_gradient_sizes(self.learn, self.grad_ratio)
 
     def after_step(self) -> None:
         if self.active and self.learn.training:
@@ -182,6 +214,7 @@ class ExactnessProbe(Callback):
             "values": [[float(v) for v in row] for row in recorder.values[self.values_start :]],
             "initial": self.initial,
             "weights": weights,
+            "grad_ratio": dict(self.grad_ratio),
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".partial")

@@ -13,6 +13,8 @@ batch b resumes on 1 process at batch 2b at the same point of the same data orde
 
 from __future__ import annotations
 
+import os
+import secrets
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -33,6 +35,28 @@ from unison.checkpoint.format import (
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
 from unison.distributed.fsdp import is_sharded
 from unison.rng import get_rng_state, set_rng_state
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why checkpoints cannot be written into `folder` (made if missing), in one line; None if they can.
+
+    It makes and removes a file there, as a save does (the mode bits alone do not tell: root
+    ignores them, a read-only mount refuses root too).
+
+    >>> unwritable_folder(Path("/ckpt/models"))   # a read-only mount
+    'Checkpoint: cannot write checkpoints to /ckpt/models: [Errno 30] Read-only file system ...'
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".unison-write-test.{os.getpid()}.{secrets.token_hex(4)}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        return (
+            f"Checkpoint: cannot write checkpoints to {folder}: [Errno {exc.errno}] {exc.strerror} "
+            "(found before the first step; give the Learner a writable path, or make the folder writable)"
+        )
+    return None
 
 
 class GlobalBatchChangedWarning(UserWarning):
@@ -65,6 +89,20 @@ class Checkpoint(Callback):
     @property
     def file(self) -> Path:
         return self.learn.path / self.learn.model_dir / f"{self.fname}.pth"
+
+    def before_fit(self) -> None:
+        """Refuse a checkpoint folder that cannot be written before the first step, on every rank.
+
+        A read-only or forbidden folder used to be found by the first save, after training had
+        begun; the ranks that write (rank 0, or every rank of a sharded model) try it now, and every
+        rank raises the same one-line `CheckpointError`, so none is left waiting in a collective.
+        """
+        learn = self.learn
+        writes = learn.collective.is_main or is_sharded(learn.model)
+        problem = unwritable_folder(self.file.parent) if writes else None
+        problems = [p for p in learn.collective.gather_objects(problem) if p is not None]
+        if problems:
+            raise CheckpointError(problems[0])
 
     def after_batch(self) -> None:
         learn = self.learn

@@ -151,6 +151,30 @@ def threads_per_worker(local_world_size: int, cores: int | None = None) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+#: Set by `unison launch` to the thread count it gave each worker (`OMP_NUM_THREADS`) when it chose
+#: it, the user having set none: a process the worker spawns sees its share is the launcher's, to divide.
+LAUNCHER_THREADS_ENV = "UNISON_LAUNCHER_THREADS"
+
+
+def threads_for_spawned(nprocs: int) -> int:
+    """Intra-op threads for each of `nprocs` processes that this process starts on its machine.
+
+    The user's `OMP_NUM_THREADS` is kept as given (a count per process). A count that `unison
+    launch` chose for this worker (`LAUNCHER_THREADS_ENV` says so) is this worker's share of the
+    cores: its `nprocs` processes divide it (`--nproc 1` on 2 cores, 2 spawned: 1 each, not 2).
+    Else the machine's cores are shared evenly (`threads_per_worker`).
+
+    >>> threads_for_spawned(2)   # under `unison launch --nproc 1` on 16 cores
+    8
+    """
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if not (raw.isdigit() and int(raw) > 0):
+        return threads_per_worker(nprocs)
+    if os.environ.get(LAUNCHER_THREADS_ENV) == raw:  # the launcher's share for this worker
+        return max(1, int(raw) // max(1, nprocs))
+    return int(raw)
+
+
 #: torch's switch for backing CPU buffers of 2 MB and more with transparent huge pages.
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 

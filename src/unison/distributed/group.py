@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from unison.distributed.devices import check_local_rank, resolve_backend
-from unison.distributed.env import DistribEnv, group_active
+from unison.distributed.env import DistribEnv, group_active, threads_per_worker, usable_cores
+from unison.distributed.slurm import is_srun_task, task_threads
 
 T = TypeVar("T")
 
@@ -121,6 +122,10 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
         )
     if cuda and gpu is None:
         torch.cuda.set_device(check_local_rank(env.local_rank, torch.cuda.device_count()))
+    if is_srun_task(os.environ):  # srun started us, not a launcher that would have set the threads
+        threads = task_threads(os.environ, threads_per_worker(env.local_world_size), usable_cores())
+        if threads is not None:
+            torch.set_num_threads(threads)
     wait = datetime.timedelta(seconds=resolve_timeout(timeout))
     if cuda:
         # NCCL times out in its own watchdog thread, which aborts the process: give unison's

@@ -165,6 +165,27 @@ def launcher_layout(env: Mapping[str, str]) -> tuple[int, int, str, int] | None:
     return nodes, int(env.get("SLURM_NODEID", "0")), addr, int(port) if port else job_port(env)
 
 
+def task_threads(env: Mapping[str, str], share: int, cores: int) -> int | None:
+    """torch's intra-op threads for an srun task, as `unison launch` gives its workers; None when
+    `OMP_NUM_THREADS` is set (torch applied it at start: the user's choice stands).
+
+    `SLURM_CPUS_PER_TASK` (`srun -c N`: the CPUs SLURM gave each task, at most the usable cores),
+    else `share`: the usable cores shared among this node's tasks. Without it every task took
+    every core (torch's default: 2 tasks x 2 threads on 2 cores).
+
+    >>> task_threads({"SLURM_CPUS_PER_TASK": "4"}, share=8, cores=16)
+    4
+    >>> task_threads({}, share=8, cores=16), task_threads({"OMP_NUM_THREADS": "2"}, share=8, cores=16)
+    (8, None)
+    """
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        return min(int(per_task), cores)
+    return share
+
+
 def job_to_requeue(env: Mapping[str, str]) -> str | None:
     """The id `scontrol requeue` takes for this job: `<array job>_<task>` in an array job, else the job id.
 

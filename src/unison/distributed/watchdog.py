@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from unison.distributed.deadline import within
 from unison.distributed.env import DistribEnv
 from unison.distributed.group import created_by_unison, group_generation, group_key_prefix
 
@@ -126,7 +127,13 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
-        self._publish("left")  # a rank that leaves early is told apart from a stuck one
+        beating = self._thread is not None and self._thread.is_alive()
+        # A rank that leaves early is told apart from a stuck one by a last "left" beat. Not when
+        # the heartbeat thread is still caught in a store call (the store's host is frozen or cut
+        # off), and never unbounded: a store client call has no deadline of its own.
+        if not beating:
+            with contextlib.suppress(TimeoutError):
+                within(READ_LIMIT_S, lambda: self._publish("left"))
         # Let go of the store: held here it would outlive the group and be torn down only
         # while the interpreter exits, where a store client's destructor can abort the process.
         self._store = None
@@ -185,23 +192,13 @@ class Watchdog:
         """Everyone's last heartbeat, read within `READ_LIMIT_S` (a store client call has no bound
         of its own against a server that accepts but never answers: a frozen host)."""
         beats: dict[int, dict] = {}
-        failed: list[BaseException] = []
 
         def read() -> None:
-            try:
-                for rank in range(self.world_size):
-                    if store.check([f"{self._prefix}{rank}"]):
-                        beats[rank] = json.loads(store.get(f"{self._prefix}{rank}"))
-            except BaseException as exc:  # reported to the caller
-                failed.append(exc)
+            for rank in range(self.world_size):
+                if store.check([f"{self._prefix}{rank}"]):
+                    beats[rank] = json.loads(store.get(f"{self._prefix}{rank}"))
 
-        reader = threading.Thread(target=read, name="unison-diagnose", daemon=True)
-        reader.start()
-        reader.join(READ_LIMIT_S)
-        if reader.is_alive():
-            raise TimeoutError(f"the heartbeat store did not answer within {READ_LIMIT_S:.0f} s")
-        if failed:
-            raise failed[0]
+        within(READ_LIMIT_S, read)
         return beats
 
     def diagnose(self) -> RankStalledError | None:

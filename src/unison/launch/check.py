@@ -47,6 +47,8 @@ __all__ = ["CheckError", "Comparison", "compare", "main", "scale_batch_arg"]
 #: with steps. A real divergence does not shrink with precision: 2.7e-3 in the tests' example.
 RTOL_FLOAT64 = 1e-8
 RTOL_FLOAT32 = 1e-5
+#: A gradient at most this many epsilons of its dtype times the model's largest is rounding noise.
+NOISE_EPSILONS = 100
 #: How many parameters the report names.
 TOP = 5
 #: How many steps' losses the report lists.
@@ -359,27 +361,73 @@ def verdict(cmp32: Comparison, cmp64: Comparison | None, nproc: int, rtol: float
     metric_tol = max(tol, RTOL_FLOAT32)
     gap, metric_gap = decisive.max_rel, decisive.max_rel_metric
     agree = gap <= tol and metric_gap <= metric_tol
-    metric_note = f", metrics to {metric_gap:.1e}" if decisive.metrics else ""
+    weights = f"{gap:.1e} relative ({'<=' if gap <= tol else '>'} {tol:g})"
+    metric_note = ""
+    if decisive.metrics:  # judged at their own tolerance, stated beside their figure
+        why = "" if metric_tol == tol else ": unison reduces them in float32"
+        sign = "<=" if metric_gap <= metric_tol else ">"
+        metric_note = f", metrics to {metric_gap:.1e} ({sign} {metric_tol:g}{why})"
     if cmp64 is not None:
         if agree:
             return 0, (
-                f"exact to float noise: in float64, {procs} agree with 1 to {gap:.1e} relative "
-                f"(<= {tol:g}){metric_note}; the float32 difference ({cmp32.max_rel:.1e} relative) "
-                "is rounding"
+                f"exact to float noise: in float64, {procs} agree with 1 to {weights}{metric_note}; "
+                f"the float32 difference ({cmp32.max_rel:.1e} relative) is rounding"
             )
         return 1, (
-            f"DIVERGES: in float64, {procs} differ from 1 by {gap:.1e} relative{metric_note} (> {tol:g}): "
-            f"not float noise. Diverging: {_names(decisive, tol)}"
+            f"DIVERGES: in float64, {procs} differ from 1 by {weights}{metric_note}: not float noise. "
+            f"Diverging: {_names(decisive, tol)}"
         )
     if agree:
         return 0, (
-            f"agrees to float32 rounding: {procs} and 1 differ by {gap:.1e} relative (<= {tol:g})"
-            f"{metric_note}; --float64 proves it is float noise"
+            f"agrees to float32 rounding: {procs} and 1 differ by {weights}{metric_note}; --float64 "
+            "proves it is float noise"
         )
     return 1, (
-        f"DIFFERS: {procs} and 1 differ by {gap:.1e} relative{metric_note} (> {tol:g}), most in "
-        f"{_names(decisive, tol)}. Run again with --float64: float64 agreeing means amplified float "
-        "noise (deep BatchNorm stacks do this), not agreeing means a real divergence"
+        f"DIFFERS: {procs} and 1 differ by {weights}{metric_note}, most in {_names(decisive, tol)}. Run "
+        "again with --float64: float64 agreeing means amplified float noise (deep BatchNorm stacks do "
+        "this), not agreeing means a real divergence"
+    )
+
+
+def rounding_noise_gradients(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Parameters whose gradient was rounding noise in every run of `records`, with its largest size.
+
+    Each record holds, per parameter, the largest over steps of max|grad| relative to the
+    model's largest gradient (`grad_ratio`). A parameter whose true gradient is zero (a bias
+    that a following BatchNorm cancels) has a computed gradient of float noise: measured 0.4
+    to 0.6 of the dtype's epsilon (8.5e-17 in float64, 7e-8 in float32); a real gradient is
+    orders of magnitude above NOISE_EPSILONS epsilons.
+
+    >>> rounding_noise_gradients([{"float64": True, "grad_ratio": {"0.bias": 8.5e-17, "0.weight": 0.55}}])
+    {'0.bias': 8.5e-17}
+    """
+    found: dict[str, float] = {}
+    for i, record in enumerate(records):
+        ratios = record.get("grad_ratio") or {}
+        eps = 2.0**-52 if record.get("float64") else 2.0**-23
+        noise = {n: r for n, r in ratios.items() if r <= NOISE_EPSILONS * eps}
+        if i == 0:
+            found = noise
+        found = {n: max(r, noise[n]) for n, r in found.items() if n in noise}
+    return found
+
+
+def noise_hint(noise: dict[str, float], differing: Sequence[str], dtype: str) -> str | None:
+    """One line naming the parameters of `differing` whose gradient is rounding noise, or None.
+
+    >>> noise_hint({"0.bias": 8.5e-17}, ["0.bias", "1.running_mean"], "float64")
+    "hint: 0.bias's gradient is zero but for rounding (at most 8.5e-17 of the largest, in float64): ..."
+    """
+    named = list(dict.fromkeys(n for n in differing if n in noise))
+    if not named:
+        return None
+    whose = f"{named[0]}'s gradient is" if len(named) == 1 else f"the gradients of {', '.join(named)} are"
+    return (
+        f"hint: {whose} zero but for rounding (at most {max(noise[n] for n in named):.1e} of the model's "
+        f"largest, in {dtype}): the likely cause of this difference. A parameter whose true gradient is "
+        "zero, such as a bias that a following BatchNorm cancels, gets float noise that Adam and AdamW "
+        "turn into full-size steps, different for every summation order: build that layer with "
+        "bias=False (docs/exact.md, When float noise grows)"
     )
 
 
@@ -426,6 +474,18 @@ def check(opts: argparse.Namespace, out: Path) -> int:
         print("\n".join(describe(cmp64, opts.nproc, "float64", tol64)))
     status, line = verdict(cmp32, cmp64, opts.nproc, opts.rtol)
     print(f"verdict: {line}", flush=True)
+    # The tensors beyond float32's tolerance (or, in float64, beyond --rtol), and whether one of
+    # them is a parameter whose gradient is pure rounding noise: that explains the difference.
+    differing = [n for n, _, rel in cmp32.weights if rel > (tol32 or RTOL_FLOAT32)]
+    differing += cmp64.diverging(tol64) if cmp64 is not None else []
+    dtype = "float64" if opts.float64 else "float32"
+    hint = noise_hint(
+        rounding_noise_gradients([records[1, opts.float64], records[opts.nproc, opts.float64]]),
+        differing,
+        dtype,
+    )
+    if hint is not None:
+        print(hint, flush=True)
     return status
 
 

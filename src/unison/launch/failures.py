@@ -11,11 +11,14 @@ traceback or stderr log. Nothing here supervises a process: torch's agent does.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,12 +80,65 @@ def preempted_status(log_dir: str, signame: str | None) -> str | None:
     return f"unison launch: preempted ({how}): {said}; exit status {PREEMPTED_EXIT} (resume me)"
 
 
+#: Errors a restart on the same machine meets again, by class name (a subclass's name matches only
+#: itself: DiskFullError is a CheckpointError, listed for the message). The checkpoint refused (torn,
+#: of another model, another global batch), a full disk, a non-finite loss or gradient that resuming
+#: from the last checkpoint recomputes, a script that cannot start.
+DETERMINISTIC_ERRORS = frozenset(
+    {
+        "CheckpointError",
+        "DiskFullError",
+        "NonFiniteError",
+        "SyntaxError",
+        "IndentationError",
+        "ModuleNotFoundError",
+    }
+)
+#: OS errors of the same kind: the file system or its permissions, which a restart does not change.
+DETERMINISTIC_ERRNOS = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOSPC: "no space left",
+    errno.EDQUOT: "disk quota exceeded",
+}
+_ERRNO = re.compile(r"\[Errno (\d+)\]")
+
+
+def deterministic_failure(headline: str) -> str | None:
+    """Why the error `headline` (a rank's error file's message: "OSError: [Errno 30] ...") would
+    happen again after a restart, or None when a restart may get past it (a lost peer, a killed
+    process, a network error). The one place `unison launch` decides that `--max-restarts` is
+    worth spending.
+
+    >>> deterministic_failure("OSError: [Errno 30] Read-only file system: '/ckpt/models'")
+    'read-only file system (errno 30)'
+    >>> deterministic_failure("unison.checkpoint.errors.CheckpointError: /ckpt/checkpoint.pth is damaged")
+    'CheckpointError'
+    >>> deterministic_failure("RuntimeError: Connection reset by peer") is None
+    True
+    """
+    head = headline.strip()
+    name = head.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    if name in DETERMINISTIC_ERRORS:
+        return name
+    found = _ERRNO.search(head.split("\n", 1)[0])
+    if (
+        found
+        and (name.endswith("Error") or name == "OSError")
+        and int(found.group(1)) in DETERMINISTIC_ERRNOS
+    ):
+        code = int(found.group(1))
+        return f"{DETERMINISTIC_ERRNOS[code]} (errno {code})"
+    return None
+
+
 class WorkerLogs(Protocol):
     """What the summary reads of this node's per-rank logs (`unison.launch.logs.RankLogsSpecs`)."""
 
     stderr_files: dict[int, str]  # local rank -> its stderr log
     ranks: dict[int, int]  # local rank -> global rank
-    oom_kills: int | None  # the machine's OOM-kill count when the attempt started
+    oom_kills: OomCount | None  # the OOM killer's count (the job's cgroup, else the machine) at the start
 
 
 def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
@@ -173,34 +229,113 @@ def _how(failure: ProcessFailure) -> tuple[str, int]:
     return f"exit code {failure.exitcode}", failure.exitcode or 1
 
 
-def oom_kills() -> int | None:
-    """How many processes the kernel's OOM killer has ended on this machine since boot (/proc/vmstat).
+@dataclass(frozen=True)
+class OomCount:
+    """How many processes the kernel's OOM killer has ended, read where it can be told apart.
 
-    >>> oom_kills()
-    3
+    `own_cgroup`: counted in this process's memory cgroup and those below it (the job's own: its
+    workers inherit it), from `source` (cgroup v2 `memory.events`, or v1 `memory.oom_control`
+    summed over the tree); False: the machine's count (/proc/vmstat), where another job's OOM
+    kill counts too.
     """
+
+    kills: int
+    source: str
+    own_cgroup: bool
+
+
+def _memory_cgroup_files(pid: int | str, root: Path) -> tuple[list[Path], str] | None:
+    """The OOM-count files of `pid`'s memory cgroup, and the one to name; None without one of its own."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # cgroup v2 ("0::/path"), alone or beside v1 hierarchies (then under unified/)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and path != "/":
+            for mount in (root, root / "unified"):
+                events = mount / path.lstrip("/") / "memory.events"
+                if events.is_file():  # hierarchical: it counts the cgroups below too
+                    return [events], str(events)
+    for line in lines:  # cgroup v1: counts are per cgroup (not summed up the tree): read the subtree
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") and path != "/":
+            top = root / "memory" / path.lstrip("/")
+            if (top / "memory.oom_control").is_file():
+                files = [Path(d) / "memory.oom_control" for d, _, _ in os.walk(top)]
+                return files, str(top / "memory.oom_control")
+    return None  # none, or the root cgroup ("/"): as good as the machine's count
+
+
+def _count(files: list[Path]) -> int | None:
+    total, found = 0, False
+    for path in files:
+        try:
+            for line in path.read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    total, found = total + int(line.split()[1]), True
+        except (OSError, ValueError):
+            continue  # a cgroup removed since the walk
+    return total if found else None
+
+
+def oom_count(pid: int | str = "self", root: str | os.PathLike[str] = "/sys/fs/cgroup") -> OomCount | None:
+    """The OOM killer's count for `pid`'s memory cgroup (the launcher's: its workers are in it), or
+    the machine's (/proc/vmstat) where it has none of its own; None where neither can be read.
+
+    >>> oom_count()
+    OomCount(kills=0, source='/sys/fs/cgroup/job.slice/memory.events', own_cgroup=True)
+    """
+    found = _memory_cgroup_files(pid, Path(root))
+    if found is not None:
+        kills = _count(found[0])
+        if kills is not None:
+            return OomCount(kills, found[1], True)
     try:
         with open("/proc/vmstat") as fh:
             for line in fh:
                 if line.startswith("oom_kill "):
-                    return int(line.split()[1])
+                    return OomCount(int(line.split()[1]), "/proc/vmstat", False)
     except (OSError, ValueError):
         pass
     return None
 
 
-def sigkill_cause(oom_before: int | None) -> str:
-    """What a worker's SIGKILL most likely was: the OOM killer if it ended a process since
-    `oom_before` (the count when the attempt started), else the usual senders.
+def oom_kills_since(
+    before: OomCount | None, root: str | os.PathLike[str] = "/sys/fs/cgroup"
+) -> OomCount | None:
+    """The OOM kills counted since `before` (read the same way), or None when there were none.
 
-    >>> sigkill_cause(3)  # /proc/vmstat's oom_kill is 4 now
-    "killed by the kernel's OOM killer (out of memory): it ended 1 process on this machine during ..."
+    >>> oom_kills_since(OomCount(0, "/proc/vmstat", False))
+    OomCount(kills=1, source='/proc/vmstat', own_cgroup=False)
     """
-    now = oom_kills()
-    if now is not None and oom_before is not None and now > oom_before:
+    if before is None:
+        return None
+    now = oom_count(root=root)
+    if now is None or now.source != before.source or now.kills <= before.kills:
+        return None
+    return OomCount(now.kills - before.kills, now.source, now.own_cgroup)
+
+
+def sigkill_cause(before: OomCount | None, root: str | os.PathLike[str] = "/sys/fs/cgroup") -> str:
+    """What a worker's SIGKILL most likely was: the OOM killer if it ended a process of this job
+    since `before` (the count when the attempt started), "possibly" the OOM killer if only the
+    machine's count says so (another job's kill counts there), else the usual senders.
+
+    >>> sigkill_cause(OomCount(3, "/sys/fs/cgroup/job.slice/memory.events", True))  # 4 there now
+    "killed by the kernel's OOM killer (out of memory): it ended 1 process in this job's memory ..."
+    """
+    kills = oom_kills_since(before, root)
+    if kills is not None and kills.own_cgroup:
         return (
-            f"killed by the kernel's OOM killer (out of memory): it ended {now - oom_before} process(es) on "
-            "this machine during this attempt (/proc/vmstat oom_kill); dmesg names them"
+            f"killed by the kernel's OOM killer (out of memory): it ended {kills.kills} process(es) in this "
+            f"job's memory cgroup during this attempt ({kills.source} oom_kill); dmesg names them"
+        )
+    if kills is not None:
+        return (
+            f"possibly killed by the kernel's OOM killer (out of memory): it ended {kills.kills} process(es) "
+            "on this machine during this attempt, maybe of another job (/proc/vmstat oom_kill: this job has "
+            "no memory cgroup of its own to tell); dmesg names them, or kill -9 or a scheduler sent it"
         )
     return (
         "SIGKILL, exit status 137: sent by the kernel's OOM killer when memory runs out (dmesg says so), "
@@ -208,7 +343,7 @@ def sigkill_cause(oom_before: int | None) -> str:
     )
 
 
-def exit_phrase(exitcode: int, oom_before: int | None = None) -> str:
+def exit_phrase(exitcode: int, oom_before: OomCount | None = None) -> str:
     """How a worker ended, in a few words: "exit code 1", "signal SIGKILL, killed by the kernel's OOM killer".
 
     >>> exit_phrase(-9, oom_before=None)
@@ -222,7 +357,7 @@ def exit_phrase(exitcode: int, oom_before: int | None = None) -> str:
         name = f"signal {-exitcode}"
     if -exitcode == signal.SIGKILL and oom_before is not None:
         cause = sigkill_cause(oom_before)
-        if cause.startswith("killed by"):
+        if cause.startswith(("killed by", "possibly killed by")):
             return f"signal {name}, {cause.split(':')[0]}"
     return f"signal {name}"
 

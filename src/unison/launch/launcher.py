@@ -51,6 +51,7 @@ from unison.launch.options import (
     torchrun_choices,
 )
 from unison.launch.rendezvous import (
+    BOUNDED_C10D,
     WatchWorkers,
     check_rdzv_endpoint,
     heartbeat_store,
@@ -348,12 +349,14 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from torch.distributed.elastic.utils import macros
     from torch.distributed.launcher.api import LaunchConfig
 
-    from unison.distributed.env import huge_pages_env, threads_per_worker
+    from unison.distributed.env import LAUNCHER_THREADS_ENV, huge_pages_env, threads_per_worker
     from unison.distributed.group import TIMEOUT_ENV
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    if not os.environ.get("OMP_NUM_THREADS"):  # ours, not the user's: a spawn inside a worker divides it
+        env[LAUNCHER_THREADS_ENV] = env["OMP_NUM_THREADS"]
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
@@ -393,7 +396,11 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         wait = None if opts.max_restarts else rdzv_timeout
         configs = {"join_timeout": wait} if wait else {}
         configs.update(rdzv_store_configs(endpoint, wait))  # the endpoint's owner hosts the store
-    if backend == "c10d":
+        if backend == "c10d":  # each store call ends within read_timeout, also across a cut link
+            from unison.launch.bounded_rendezvous import register_bounded_c10d  # (loads torch)
+
+            backend = register_bounded_c10d()
+    if backend in ("c10d", BOUNDED_C10D):
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
         # store that outlives it (pytorch/pytorch#135712), and the workers get nothing every node
         # agrees on per round to keep them apart (group.group_key_prefix): rank 0 of each attempt

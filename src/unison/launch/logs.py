@@ -20,7 +20,15 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
-from unison.launch.failures import error_headlines, exit_phrase, oom_kills, reacted_to_a_peer
+from unison.launch.failures import (
+    OomCount,
+    deterministic_failure,
+    error_headlines,
+    exit_phrase,
+    oom_count,
+    oom_kills_since,
+    reacted_to_a_peer,
+)
 from unison.launch.rendezvous import private_dir, private_files
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
@@ -54,10 +62,12 @@ class RankLogsSpecs(LogsSpecs):
         self.attempts = 0  # worker groups started so far on this node (the log folder's number)
         self.restart = "0"  # torch's TORCHELASTIC_RESTART_COUNT of the latest one
         self.ranks: dict[int, int] = {}  # local rank -> global rank, in the latest attempt
-        self.oom_kills: int | None = None  # the OOM killer's count (/proc/vmstat) when it started
+        #: the OOM killer's count when the attempt started (this job's memory cgroup, else the machine's)
+        self.oom_kills: OomCount | None = None
         self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
         self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
+        self._consoles: tuple[_Console, ...] = ()  # the console's streams while `console_guard` holds them
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -94,15 +104,14 @@ class RankLogsSpecs(LogsSpecs):
                         f"unison launch: replica {r}: {why.removeprefix(': ') or 'a worker failed'}; "
                         f"restarting replica {r} ({restart}/{most}); the other replicas keep training"
                     )
-                print(line, file=sys.stderr)
+                self.say(line)
             else:
-                print(
+                self.say(
                     "unison launch: restarting the workers: a node (re)joined the job (not counted against "
-                    "--max-restarts)",
-                    file=sys.stderr,
+                    "--max-restarts)"
                 )
         self.restart = restart
-        self.ranks, self.oom_kills = {}, oom_kills()
+        self.ranks, self.oom_kills = {}, oom_count()
         # 0700, files 0600: logs may hold secrets, and other local users must not read them.
         base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
@@ -153,7 +162,7 @@ class RankLogsSpecs(LogsSpecs):
         that rank is the one it killed."""
         noted = os.path.join(attempt_dir, f"rank{rank}.error.json")
         reacted = exitcode == -signal.SIGTERM or reacted_to_a_peer(_headline(noted))
-        if not reacted or self.oom_kills is None or (oom_kills() or 0) <= self.oom_kills:
+        if not reacted or oom_kills_since(self.oom_kills) is None:
             return None
         silent = [
             r
@@ -179,12 +188,25 @@ class RankLogsSpecs(LogsSpecs):
         files), so training goes on: the lines are dropped, once said on the other stream, and
         the log files are kept (`console_lost`) so nothing is lost."""
         saved = sys.stdout, sys.stderr
-        sys.stdout = _Console(saved[0], "stdout", self)
-        sys.stderr = _Console(saved[1], "stderr", self)
+        self._consoles = (_Console(saved[0], "stdout", self), _Console(saved[1], "stderr", self))
+        sys.stdout, sys.stderr = self._consoles
         try:
             yield
         finally:
+            self.end_partial_lines()  # what the launcher says next (the summary) starts a line
             sys.stdout, sys.stderr = saved
+            self._consoles = ()
+
+    def end_partial_lines(self) -> None:
+        """End a rank's last line that its process cut off (killed mid-line: the tailer shows it
+        without its end), so the launcher's next line does not come glued to it."""
+        for console in self._consoles:
+            console.end_line()
+
+    def say(self, line: str) -> None:
+        """Print one of the launcher's own lines to the console's stderr, on a line of its own."""
+        self.end_partial_lines()
+        print(line, file=sys.stderr, flush=True)
 
     def lost_console(self, name: str, exc: BaseException) -> None:
         """Say once (on the stream still open) that the console's `name` went away, and keep the logs."""
@@ -218,6 +240,14 @@ class _Console(io.TextIOBase):
     def __init__(self, stream: io.TextIOBase, name: str, owner: RankLogsSpecs) -> None:
         self._stream, self._name, self._owner = stream, name, owner
         self._gone = False
+        self._mid_line = False  # the last text written did not end its line
+
+    def end_line(self) -> None:
+        """Write an end of line if the last text written left its line open."""
+        with _LOCK:
+            mid_line, self._mid_line = self._mid_line, False
+        if mid_line:
+            self.write("\n")
 
     def _lost(self, exc: BaseException) -> None:
         self._gone = True
@@ -228,6 +258,8 @@ class _Console(io.TextIOBase):
         self._owner.lost_console(self._name, exc)
 
     def write(self, text: str) -> int:
+        if text:
+            self._mid_line = not text.endswith("\n")
         if not self._gone:
             try:
                 self._stream.write(text)
@@ -293,17 +325,17 @@ class RestartRefused(RuntimeError):
     happen (the workers stopped on a preemption signal): the launch stops."""
 
 
-#: Failures a restart on the same machine would hit again at once.
-_HOPELESS = ("DiskFullError", "NonFiniteError", "Preempted")  # Preempted: the job is to stop, checkpointed
-
-
 def pointless_restart(attempt_dir: str) -> str | None:
-    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None.
+    """Why restarting after the attempt logged in `attempt_dir` cannot succeed, or None: a rank failed
+    with an error a restart meets again (`failures.deterministic_failure`: a full disk, a
+    non-finite loss, a refused checkpoint, a read-only folder), or stopped on a preemption signal
+    (the job is to stop, checkpointed).
 
     >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
     'rank 0 failed with DiskFullError: disk full (ENOSPC; OSError: [Errno 28] ...) writing ...'
     """
     for rank, headline in error_headlines(attempt_dir):
-        if any(headline.startswith(f"{name}:") or f".{name}:" in headline for name in _HOPELESS):
+        preempted = headline.startswith("Preempted:") or ".Preempted:" in headline
+        if preempted or deterministic_failure(headline) is not None:
             return f"rank {rank} failed with {headline.strip()}"
     return None

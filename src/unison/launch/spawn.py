@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
-from unison.distributed.env import huge_pages_env, threads_per_worker
+from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.rendezvous import WatchWorkers, heartbeat_store
 
 START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
@@ -118,7 +119,10 @@ def spawn(
             shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
         )
     try:
-        with _agent_state(), fork_safe():
+        # As under `unison launch`: the heartbeat store lives here, not in rank 0 (a frozen rank 0
+        # would take down the store the others diagnose it with), and a stopped worker told to
+        # terminate is continued so it ends at once (torch's agent would wait 30 s to kill it).
+        with heartbeat_store() as beats, _agent_state(beats), WatchWorkers(), fork_safe():
             run = elastic_launch(config, _worker)
             results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
     except ChildFailedError as exc:
@@ -169,18 +173,20 @@ def _with_index(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 
 @contextlib.contextmanager
-def _agent_state() -> Iterator[None]:
-    """Set up the caller for torch's agent, and put back what the agent changes (signals, environment)."""
+def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
+    """Set up the caller for torch's agent (and the workers' `extra_env`), and put back what the
+    agent changes (signals, environment)."""
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
     # group the user makes on a port of their choosing (seed 003) would wait forever for a server.
     huge_pages = huge_pages_env()  # as `unison launch` exports (a fresh interpreter reads it at start)
-    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages)
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages, *extra_env)
     saved_env = {name: os.environ.get(name) for name in names}
     in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
     saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.update(huge_pages)
+    os.environ.update(extra_env)
     try:
         yield
     finally:
@@ -236,9 +242,9 @@ def _check_picklable(obj: Any, fresh_interpreter: bool) -> None:
 
 
 def _threads(nprocs: int) -> int:
-    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores."""
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else threads_per_worker(nprocs)
+    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores
+    (inside a `unison launch` worker: of that worker's share)."""
+    return threads_for_spawned(nprocs)
 
 
 def _worker(

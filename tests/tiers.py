@@ -7,6 +7,7 @@ A tier is a marker, registered in pyproject.toml:
     netns       builds network namespaces joined by a veth pair (root and iproute2; skips otherwise)
     ray         starts a local Ray cluster
     lighthouse  starts a torchft lighthouse (a server) and replicas that reach it
+    slurm       runs jobs on the session's SLURM cluster (munged, slurmctld, slurmd: tests/slurm_cluster.py)
 
 Every tier implies `slow`, so `pytest -m "not slow"` (`make test-fast`) is the in-process tier:
 nothing in it starts an interpreter, a process group or a server; a forked DataLoader worker (a
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("procs", "launch", "netns", "ray", "lighthouse")
+TIERS = ("procs", "launch", "netns", "ray", "lighthouse", "slurm")
 
 # Fixtures that start something: a test using one is in that tier.
 FIXTURE_TIERS = {
@@ -46,11 +47,12 @@ FIXTURE_TIERS = {
     "bare_pool2": "procs",
     "machines": "netns",
     "local_ray": "ray",
+    "slurm": "slurm",
 }
 
 # What a test of each tier takes, roughly, on a quiet 2-core machine (seconds): only the order in
 # which parallel workers take the tests depends on it (the longest first), never a result.
-TIER_COST_S = {"ray": 80.0, "netns": 45.0, "lighthouse": 40.0, "launch": 25.0, "procs": 4.0}
+TIER_COST_S = {"ray": 80.0, "netns": 45.0, "lighthouse": 40.0, "slurm": 30.0, "launch": 25.0, "procs": 4.0}
 IN_PROCESS_COST_S = 0.2
 
 PYTHON_DIR = Path(sys.executable).parent  # the interpreter and its console scripts (unison, mkdocs)
@@ -65,7 +67,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--tier-check",
         choices=("warn", "fail", "off"),
         default="warn",
-        help="a test outside every tier (procs, launch, netns, ray, lighthouse) that starts a Python "
+        help="a test outside every tier (procs, launch, netns, ray, lighthouse, slurm) that starts a Python "
         "process: warn (default), fail (make test-fast) or off",
     )
 
@@ -213,7 +215,7 @@ def pytest_runtest_call(item: pytest.Item):
     if _started:
         message = (
             f"{item.nodeid} is in the in-process tier but started a Python process ({_started[0]}): "
-            f"mark it @pytest.mark.procs (or launch, netns, ray, lighthouse; see tests/tiers.py)"
+            f"mark it @pytest.mark.procs (or launch, netns, ray, lighthouse, slurm; see tests/tiers.py)"
         )
         if mode == "fail":
             pytest.fail(message, pytrace=False)

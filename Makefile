@@ -28,8 +28,24 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
-test: lint docs
-	$(PY) -m pytest -q --durations=15
+# The tests, in tiers by what they start (docs/contributing.md, tests/tiers.py).
+# `make test` (what CI runs): lint, the strict docs build, then every tier on TEST_JOBS parallel
+# workers (pytest-xdist; tests that share a fixture, a fixed name or a port stay on one worker),
+# and prints its wall time. `make test-fast`: the in-process tier alone, to run while editing.
+TEST_JOBS ?= 4
+.PHONY: test-fast
+test: $(STAMP)
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory lint docs && \
+	$(PY) -m pytest -q -n $(TEST_JOBS) --durations=15; status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall, install excluded ($(TEST_JOBS) workers; load average $$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null))"; \
+	exit $$status
+
+test-fast: $(STAMP)
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q -m "not slow" -n 2 --tier-check=fail --durations=5; status=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s wall (load average $$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null))"; \
+	exit $$status
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -11,9 +11,11 @@ sys.path.insert(0, str(ROOT))
 
 from tests.tiers import (  # noqa: E402, F401  (pytest hooks: the tiers, groups and process check)
     pytest_addoption,
-    pytest_cmdline_main,
     pytest_collection_modifyitems,
+    pytest_configure,
     pytest_runtest_call,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
 )
 from tests.worker_pool import WorkerPool  # noqa: E402
 

@@ -30,9 +30,12 @@ The process check (`--tier-check`): a test outside every tier that starts a Pyth
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -58,6 +61,12 @@ IN_PROCESS_COST_S = 0.2
 PYTHON_DIR = Path(sys.executable).parent  # the interpreter and its console scripts (unison, mkdocs)
 
 
+# pytest-xdist's own grouping (xdist_group marks read into the test ids) does not reach pytest 9's
+# structured test ids: each worker writes the groups it found into this folder instead, and the
+# scheduler below reads them (the controller collects nothing itself).
+GROUPS_ENV = "UNISON_TEST_GROUPS"
+
+
 class TierWarning(pytest.PytestWarning):
     """A test outside every tier started a Python process."""
 
@@ -72,14 +81,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    """`pytest -n N` groups by xdist_group (the shared fixtures below) and keeps our order."""
-    option = config.option
-    if getattr(option, "numprocesses", None) and getattr(option, "dist", "no") == "no":
-        option.dist = "loadgroup"
-    if getattr(option, "dist", "no") == "loadgroup":
-        option.loadscopereorder = False  # the order pytest_collection_modifyitems gives
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="unison-test-groups-")  # the workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(GROUPS_ENV, ""), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup`, each test's group read from what the workers wrote (GROUPS_ENV)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FixtureGroupScheduling(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            if scope != nodeid:  # xdist's own "@group" suffix (pytest before 9)
+                return scope
+            if self.groups is None:  # read once the workers have collected (and written them)
+                self.groups = {}
+                for path in Path(os.environ.get(GROUPS_ENV, "/nonexistent")).glob("*.json"):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    return FixtureGroupScheduling(config, log)
 
 
 def _requested(item: pytest.Item) -> set[str]:
@@ -169,6 +201,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in group:
             for name in sorted(names - _mark_groups(item)):
                 item.add_marker(pytest.mark.xdist_group(name))
+    written = {i.nodeid: "_".join(sorted(_mark_groups(i))) for i in items if _mark_groups(i)}
+    folder = os.environ.get(GROUPS_ENV)
+    if folder and os.path.isdir(folder):
+        path = Path(folder) / f"{config.workerinput['workerid']}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(written))
+        path.with_suffix(".tmp").rename(path)  # whole, for the scheduler that reads it
     # The groups that take longest first (members kept together, in their written order), so that no
     # long test is left to start last while the other workers have finished.
     cost = {root: sum(_cost(i) for i in group) for root, group in members.items()}

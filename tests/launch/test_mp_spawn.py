@@ -87,6 +87,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("user_threads", [None, "3"])
 def test_processes_spawned_by_a_launched_worker_divide_its_share_of_the_cores(tmp_path, user_threads):
     """`unison launch --nproc 1` gives its one worker every core; the 2 processes that worker spawns

@@ -298,6 +298,7 @@ def test_seed003_example(example_job):
 # Frozen rank 0 used to hang the call for good (its store, which rank 1's watchdog published its
 # "left" beat to while shutting down, lives in the frozen process); a frozen rank 1 took 42 s
 # (torch's agent waited 30 s to kill a stopped process that never acts on its SIGTERM).
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("frozen", [0, 1])
 def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path, frozen):

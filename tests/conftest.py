@@ -14,6 +14,8 @@ from tests.tiers import (  # noqa: E402, F401  (pytest hooks: the tiers, groups 
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_call,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
     pytest_unconfigure,
     pytest_xdist_make_scheduler,
 )

@@ -21,7 +21,8 @@ a test uses (FIXTURE_TIERS), also when the test takes the fixture by name throug
 Under pytest-xdist (`make test`: `-n` workers, `--dist loadgroup`), the tests that share one of
 our fixtures wider than a function (the session's process pools, a module's launch run or network
 namespaces) form one group and run on one worker, so the fixture starts once; the groups and
-tests that start the most run first, so no long test starts last.
+tests that take longest run first (as long as they took in the last run, kept in pytest's cache,
+else by their tiers), so no long test starts last.
 
 The process check (`--tier-check`): a test outside every tier that starts a Python interpreter
 (a `subprocess` of this Python or of a console script beside it) is reported, or fails with
@@ -173,8 +174,27 @@ def _group(items: list[pytest.Item]) -> tuple[dict[str, str], dict[str, set[str]
     return {item.nodeid: find(f"test:{item.nodeid}") for item in items}, names
 
 
-def _cost(item: pytest.Item) -> float:
+def _cost(item: pytest.Item, measured: dict[str, float]) -> float:
+    """Seconds the test took in the last run that ran it (pytest's cache), else its tiers' estimate."""
+    if item.nodeid in measured:
+        return measured[item.nodeid]
     return sum(TIER_COST_S[t] for t in tiers_of(item)) or IN_PROCESS_COST_S
+
+
+DURATIONS_KEY = "unison/durations"  # in pytest's cache (.pytest_cache): nodeid -> seconds, last run
+_took: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's time (setup, call, teardown), for the next run's order (xdist: in the controller)."""
+    _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not _took:
+        return
+    cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}), **{k: round(v, 2) for k, v in _took.items()}})
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
@@ -209,7 +229,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path.with_suffix(".tmp").rename(path)  # whole, for the scheduler that reads it
     # The groups that take longest first (members kept together, in their written order), so that no
     # long test is left to start last while the other workers have finished.
-    cost = {root: sum(_cost(i) for i in group) for root, group in members.items()}
+    cache = getattr(config, "cache", None)
+    measured = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    cost = {root: sum(_cost(i, measured) for i in group) for root, group in members.items()}
     first = {root: n for n, root in reversed(list(enumerate(groups[i.nodeid] for i in items)))}
     written = {item.nodeid: n for n, item in enumerate(items)}
     items.sort(key=lambda i: (-cost[groups[i.nodeid]], first[groups[i.nodeid]], written[i.nodeid]))

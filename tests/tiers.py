@@ -58,6 +58,8 @@ FIXTURE_TIERS = {
 # which parallel workers take the tests depends on it (the longest first), never a result.
 TIER_COST_S = {"ray": 80.0, "netns": 45.0, "lighthouse": 40.0, "slurm": 30.0, "launch": 25.0, "procs": 4.0}
 IN_PROCESS_COST_S = 0.2
+# Tests on one session fixture (a pool) share it in runs of about this many, one worker each.
+SESSION_GROUP_SIZE = 40
 
 PYTHON_DIR = Path(sys.executable).parent  # the interpreter and its console scripts (unison, mkdocs)
 
@@ -164,9 +166,23 @@ def _group(items: list[pytest.Item]) -> tuple[dict[str, str], dict[str, set[str]
             key = parent[key]
         return key
 
+    by_session_fixture: dict[str, list[pytest.Item]] = {}
     for item in items:
-        for key in _shared_fixtures(item) + [f"mark:{name}" for name in _mark_groups(item)]:
+        shared = _shared_fixtures(item)
+        keys = [key for key in shared if key.count(":") == 2] + [f"mark:{n}" for n in _mark_groups(item)]
+        for key in keys:
             parent[find(key)] = find(f"test:{item.nodeid}")
+        # A session fixture (a process pool, the SLURM cluster) groups only tests that nothing
+        # narrower groups; a test that uses another one as well starts it on its worker too.
+        if not keys and any(key.count(":") == 1 for key in shared):
+            by_session_fixture.setdefault(next(k for k in shared if k.count(":") == 1), []).append(item)
+    for key, users in by_session_fixture.items():
+        # Many tests on one pool: split in runs of about SESSION_GROUP_SIZE, one fixture each.
+        runs = -(-len(users) // SESSION_GROUP_SIZE)
+        for n, item in enumerate(users):
+            parent[find(f"{key}{'#' + str(n * runs // len(users) + 1) if runs > 1 else ''}")] = find(
+                f"test:{item.nodeid}"
+            )
     names: dict[str, set[str]] = {}
     for key in parent:
         if not key.startswith("test:"):

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint docs bench gpu-check clean
+.PHONY: install slurm-deps demo test lint docs bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,18 +28,34 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
+# Debian's SLURM for tests/distributed/test_slurm.py, which runs a private cluster of its own
+# (munged, slurmctld, slurmd; files in a temporary folder, free ports, stopped after the tests).
+# Installed once with apt-get as root (CI); silent when already there. Without root or apt-get
+# it says so in one line and the SLURM tests are skipped, saying why.
+SLURM_BINS := munged slurmctld slurmd sbatch srun scontrol scancel squeue sinfo
+slurm-deps:
+	@missing=; for b in $(SLURM_BINS); do \
+	    PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "slurm-deps: installing Debian's slurmctld slurmd slurm-client munge (missing:$$missing)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	        slurmctld slurmd slurm-client munge; } >/dev/null \
+	    || echo "slurm-deps: apt-get failed: the SLURM tests will be skipped"; \
+	else echo "slurm-deps: missing$$missing, and no apt-get as root: the SLURM tests will be skipped"; fi
+
 # The tests, in tiers by what they start (CONTRIBUTING.md, tests/tiers.py).
 # `make test` (what CI runs): lint, the strict docs build, then every tier on TEST_JOBS parallel
 # workers (pytest-xdist; tests that share a fixture, a fixed name or a port stay on one worker),
 # and prints its wall time. `make test-fast`: the in-process tier alone, to run while editing.
 TEST_JOBS ?= 4
 .PHONY: test-fast test-clock
-test: $(STAMP) test-clock lint docs
+test: $(STAMP) slurm-deps test-clock lint docs
 	@$(PY) -m pytest -q -n $(TEST_JOBS) --durations=15; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - $$(cat build/.test-start) )) s wall, install excluded ($(TEST_JOBS) workers; load average $$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null))"; \
 	exit $$status
 
-test-clock:  # when `make test` began, after the install: lint and docs count, the install does not
+test-clock:  # when `make test` began, after the installs: lint and docs count, the installs do not
 	@mkdir -p build && date +%s > build/.test-start
 
 test-fast: $(STAMP)

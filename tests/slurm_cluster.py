@@ -1,4 +1,4 @@
-"""A real SLURM cluster for the tests: munged, slurmctld and one slurmd on this machine.
+"""A real SLURM cluster for the tests: munged, slurmctld and two slurmd (two nodes) on this machine.
 
 Debian's `slurm-wlm` (22.05: `apt-get install slurmctld slurmd slurm-client munge`, which
 `make slurm-deps` does) run without systemd: a private `munged` with its own key and socket, then
@@ -7,6 +7,12 @@ temporary folder and both ports free ones, so nothing of the machine's own SLURM
 changed. `proctrack/linuxproc` and `task/none` (no cgroups needed), no accounting,
 `select/cons_tres`. The daemons are children of the test process and get SIGTERM if it dies
 (`PR_SET_PDEATHSIG`): none outlives the session.
+
+Two nodes, `unison-n1` and `unison-n2`: each `slurmd -N <node>` runs in its own UTS namespace
+(its host name is the node's, as `hostname` in a task says) and mount namespace (an /etc/hosts
+of its own, where both names are 127.0.0.1, bound over the machine's), on a port of its own,
+sharing the machine's network. Where namespaces cannot be made (`unshare` refused), one node
+with the machine's host name instead, and `nodes` says 1.
 
 Two settings shorten what a real cluster waits, so the suite stays fast (both named in
 docs/faults.md): `AuthInfo=cred_expire=5` (a requeued job is held `cred_expire + 1` s before it
@@ -36,6 +42,8 @@ CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
 CPUS = 4  # declared (config_overrides): 4 tasks fit on a 2-core machine
 CRED_EXPIRE_S = 5  # the least SLURM takes ("AuthInfo=cred_expire=2 invalid")
 _PR_SET_PDEATHSIG = 1
+# Reasons a pending job gives when it can never start on this cluster (too many nodes, ...).
+_NEVER = {"PartitionNodeLimit", "PartitionConfig", "BadConstraints", "ReqNodeNotAvail"}
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
@@ -82,12 +90,22 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
+def _namespaces_work() -> bool:
+    """True when this process may give a child its own UTS and mount namespaces (root, no seccomp)."""
+    unshare = _which("unshare")
+    if unshare is None:
+        return False
+    probe = [unshare, "--uts", "--mount", "--propagation", "private", "true"]
+    return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+
 class SlurmCluster:
-    """One controller and one node (this machine, by its host name) in `root`."""
+    """One controller and two nodes (or one: see the module's docstring), all files in `root`."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.node = socket.gethostname()
+        self.nodes = ["unison-n1", "unison-n2"] if _namespaces_work() else [socket.gethostname()]
+        self.node = self.nodes[0]
         self.conf = root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         # The clients find the cluster by SLURM_CONF; a job's tasks inherit it (scontrol requeue).
@@ -129,7 +147,7 @@ class SlurmCluster:
             "\n".join(
                 [
                     "ClusterName=unisontest",
-                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    "SlurmctldHost=localhost(127.0.0.1)",
                     f"SlurmctldPort={_free_port()}",
                     f"SlurmdPort={_free_port()}",
                     "SlurmUser=root",
@@ -160,7 +178,10 @@ class SlurmCluster:
                     "ReturnToService=2",
                     "MinJobAge=600",  # ended jobs stay visible to scontrol show job
                     "SlurmdParameters=config_overrides",  # the declared CPUs, whatever the machine has
-                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN",
+                    *(
+                        f"NodeName={node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={CPUS} State=UNKNOWN"
+                        for node in self.nodes
+                    ),
                     "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
@@ -179,12 +200,20 @@ class SlurmCluster:
         self._wait_for(
             lambda: self._run(["scontrol", "ping"]).returncode == 0, 40, "slurmctld did not answer"
         )
-        self._daemon("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])
+        if len(self.nodes) == 1:
+            self._daemon("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])
+            return
+        hosts = self.root / "hosts"
+        hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"127.0.0.1 {n}\n" for n in self.nodes))
+        for node in self.nodes:  # the namespaces end with the slurmd: exec, no shell left behind
+            slurmd = f"{_which('slurmd')} -D -f {self.conf} -N {node}"
+            inner = f"mount --bind {hosts} /etc/hosts && hostname {node} && exec {slurmd}"
+            self._daemon(node, ["--uts", "--mount", "--propagation", "private", "sh", "-c", inner], "unshare")
 
-    def _daemon(self, name: str, args: list[str]) -> None:
+    def _daemon(self, name: str, args: list[str], program: str | None = None) -> None:
         out = open(self.root / "log" / f"{name}.console", "wb")  # noqa: SIM115 - the daemon's lifetime
         self.procs[name] = subprocess.Popen(
-            [_which(name) or name, *args],
+            [_which(program or name) or name, *args],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -195,10 +224,10 @@ class SlurmCluster:
 
     def _wait_idle(self, timeout: float) -> None:
         def idle() -> bool:
-            out = self._run(["sinfo", "-h", "-o", "%T"]).stdout.split()
-            return out == ["idle"]
+            out = self._run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
+            return out == ["idle"] * len(self.nodes)
 
-        self._wait_for(idle, timeout, "the node did not become idle")
+        self._wait_for(idle, timeout, "the nodes did not become idle")
 
     def _wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -253,6 +282,8 @@ class SlurmCluster:
             info = self.job(job)
             if info.get("JobState") in states:
                 return info
+            if info.get("JobState") == "PENDING" and info.get("Reason") in _NEVER:
+                raise RuntimeError(f"job {job} can never start here ({info['Reason']}): {info}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job} still {info.get('JobState')} after {timeout:.0f} s: {info}")
             time.sleep(0.2)
@@ -273,9 +304,9 @@ class SlurmCluster:
                 if not left:
                     break
                 time.sleep(0.2)
-        for name in reversed(DAEMONS):
-            proc = self.procs.get(name)
-            if proc is None or proc.poll() is not None:
+        for name in reversed(list(self.procs)):  # the slurmd first, munged last
+            proc = self.procs[name]
+            if proc.poll() is not None:
                 continue
             proc.terminate()
             try:

@@ -32,12 +32,14 @@ if TYPE_CHECKING:
         LRFinder,
         LRSchedulerCallback,
         MixedPrecision,
+        MLflowLogger,
         OneCycleScheduler,
         ProgressCallback,
         Recorder,
         SaveModelCallback,
         TensorBoardLogger,
         TrackerCallback,
+        WandbLogger,
     )
     from unison.callbacks.nonfinite import NonFiniteCheck, NonFiniteError, NonFiniteWarning
     from unison.callbacks.preemption import Preempted, Preemption
@@ -80,6 +82,8 @@ _EXPORTS = {
     "Recorder": "unison.callbacks",
     "SaveModelCallback": "unison.callbacks",
     "TensorBoardLogger": "unison.callbacks",
+    "WandbLogger": "unison.callbacks",
+    "MLflowLogger": "unison.callbacks",
     "TrackerCallback": "unison.callbacks",
     "DataLoaders": "unison.data",
     "to_device": "unison.data",
@@ -143,6 +147,8 @@ __all__ = [
     "Preemption",
     "SummedLoss",
     "TensorBoardLogger",
+    "WandbLogger",
+    "MLflowLogger",
     "TokenCrossEntropy",
     "TorchMetric",
     "TrackerCallback",

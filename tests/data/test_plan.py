@@ -5,7 +5,8 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler, TensorDataset
 
 from unison.data import DistributedDL
-from unison.data.plan import dealt_plan, sampler_order, strided_plan
+from unison.data.permutation import PermutedOrder
+from unison.data.plan import PositionPlan, dealt_plan, sampler_order, strided_plan
 
 
 @pytest.mark.parametrize("num_samples", [None, 7, 25, 40])
@@ -79,3 +80,23 @@ def test_dealt_plan_gives_each_rank_a_slice_of_every_batch():
     ]
     assert [p.real for p, _ in parts] == [[2, 1, 1], [2, 1, 0], [1, 0, 0]]
     assert parts[0][1] == [5, 2, 1]
+
+
+PLAN_CASES = [(50, 3, 4), (7, 2, 3), (2, 3, 1), (101, 2, 16), (40000, 3, 7)]
+
+
+@pytest.mark.parametrize(("n", "world", "bs"), PLAN_CASES)
+@pytest.mark.parametrize("pad", [True, False])
+def test_a_position_plan_gives_the_tensor_plans_batches(n, world, bs, pad):
+    """The constant-memory order planned per position equals the same order drawn whole and strided
+    (40,000 items: batches that straddle the chunks evaluated at once)."""
+    order = PermutedOrder(n, key=3)
+    whole = order.at(torch.arange(n))
+    for rank in range(world):
+        n_batches = len(_old_plan(n, rank, world, bs, pad))
+        expected = strided_plan(whole, rank, world, bs, n_batches, pad)
+        plan = strided_plan(order, rank, world, bs, n_batches, pad)
+        assert isinstance(plan, PositionPlan) and len(plan) == len(expected)
+        assert list(plan.batches()) == list(expected.batches())
+        assert list(plan.real) == expected.real
+        assert list(plan.batches(start=n_batches // 2)) == list(expected.batches(start=n_batches // 2))

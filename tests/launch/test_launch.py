@@ -354,7 +354,8 @@ def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
         assert p["MASTER_ADDR"] == "127.0.0.1" and p["MASTER_PORT"] not in (None, "29500")
         assert p["argv"] == [f"--local_rank={rank}", "x", "--y=1"]
         assert p["UNISON_TIMEOUT"] == "30.0" and p["GLOO_SOCKET_IFNAME"] == "lo"
-        assert p["threads"] == int(p["OMP_NUM_THREADS"]) == threads_per_worker(2)  # the launcher's rule
+        # The launcher's rule: the cores over its 2 workers and those other launches already run (b's 2)
+        assert p["threads"] == int(p["OMP_NUM_THREADS"]) in (threads_per_worker(2), threads_per_worker(4))
         assert p["allreduce"] == 3.0
         # the script (torch's @record) writes beside torch's path; the bootstrap renames it there whole
         assert p["TORCHELASTIC_ERROR_FILE"] == str(logs / "attempt_0" / f"rank{rank}.error.json.partial")

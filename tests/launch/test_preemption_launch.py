@@ -88,7 +88,7 @@ def moments() -> list[tuple[str, str, int, str, float, int]]:
     return [(*moment, rng.randint(1, STEPS - 4)) for moment in chosen]
 
 
-@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(int(os.environ.get("UNISON_PREEMPT_RUNS", "3")) * 2 * WAIT_S)  # each launch is bounded
 def test_a_signal_at_random_moments_ends_75_in_the_grace_and_resumes_to_the_same_weights(
     tmp_path: Path, uninterrupted: str
@@ -138,38 +138,3 @@ def test_signals_to_handle_default_env_and_bad_names(tmp_path: Path, monkeypatch
     assert handled() == "SIGHUP"
     with pytest.raises(LaunchError, match=r"--signals-to-handle: unknown signal 'SIGFOO'"):
         handled("--signals-to-handle", "SIGTERM,SIGFOO")
-
-
-@pytest.mark.procs
-def test_the_slurm_recipe_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
-    """examples/slurm/train.sbatch's way 1, without SLURM: examples/train_digits.py --every 5 run as one
-    task with the job's variables (SLURM_JOB_ID, UNISON_REQUEUE=1) and a fake `scontrol` on PATH that
-    records its arguments; SIGUSR1 (what `--signal=USR1@90` sends) once the first checkpoint exists.
-    The task exits 75 having requeued job 77 after its checkpoint was written; run again (the
-    requeued job: same id, same --out) it resumes and finishes."""
-    import sys
-
-    from tests.callbacks.test_preemption import _fake_scontrol
-
-    out = tmp_path / "runs" / "slurm-77"
-    checkpoint = out / "models" / "checkpoint.pth"
-    log = _fake_scontrol(tmp_path / "bin", checkpoint)
-    env = {**ENV, "SLURM_JOB_ID": "77", "UNISON_REQUEUE": "1", "PATH": f"{tmp_path / 'bin'}:{ENV['PATH']}"}
-    cmd = [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--bs", "16", "--every", "5"]
-    cmd += ["--epochs", "3", "--out", str(out)]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + WAIT_S
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == 75, err[-3000:]
-    assert "unison: preempted by SIGUSR1: every rank stopped in epoch 0, after step" in err, err[-3000:]
-    assert err.rstrip().endswith("; job 77 requeued (scontrol requeue 77)"), err[-3000:]
-    assert log.read_text().splitlines() == ["requeue 77", "checkpoint there"]
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=WAIT_S)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "valid_accuracy" in again.stdout
-    assert len(log.read_text().splitlines()) == 2  # the resumed run was not preempted

@@ -17,6 +17,7 @@ from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
 from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleScheduler
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
+from unison.callbacks.trackers import MLflowLogger, WandbLogger
 from unison.callbacks.training import GradientAccumulation, GradientClip
 
 if TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use below
@@ -26,6 +27,8 @@ __all__ = [
     "CSVLogger",
     "LRSchedulerCallback",
     "TensorBoardLogger",
+    "WandbLogger",
+    "MLflowLogger",
     "Callback",
     "CancelBatchException",
     "CancelEpochException",

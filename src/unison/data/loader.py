@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from unison.data.permutation import pick_order
 from unison.data.plan import RankPlan, dealt_plan, sampler_order, strided_plan
 
 
@@ -115,6 +116,9 @@ class DistributedDL:
     `set_epoch(epoch)` before each epoch so the order never depends on how often the
     loader was iterated. With `seed=None` every rank takes rank 0's
     `torch.initial_seed()` (a collective when a process group exists: construct on all ranks).
+    `order`: "torch" draws the sampler's own order (a shuffle matches a single-process DataLoader
+    bit for bit), "scalable" a constant-memory seeded bijection (`unison.data.permutation`), "auto"
+    the first unless a shuffle's permutation tensor would exceed 1 GiB.
 
     >>> dl = DataLoader(list(range(50)), batch_size=16)
     >>> [b.tolist() for b in DistributedDL(dl, rank=1, world_size=4)][0][:4]
@@ -128,6 +132,7 @@ class DistributedDL:
         world_size: int | None = None,
         seed: int | None = None,
         pad: bool = True,
+        order: str = "auto",
     ) -> None:
         if not isinstance(dl, DataLoader):
             raise TypeError(f"DistributedDL wraps a torch DataLoader, got {type(dl).__name__}")
@@ -163,6 +168,7 @@ class DistributedDL:
                 dist.broadcast_object_list(box, src=0)
                 seed = box[0]
         self.seed = int(seed)
+        self.order = pick_order(order, dl.sampler, dl.batch_size, announce=self.rank == 0)
         self.pad = pad
         self.epoch = 0
         self._dl = dl
@@ -258,7 +264,7 @@ class DistributedDL:
             joined = [i for batch in self._dealt_batches(epoch) for i in batch]
             ints = all(isinstance(i, int) for i in joined)
             return torch.tensor(joined, dtype=torch.long) if ints else joined
-        return sampler_order(self.sampler, _mix(self.seed, epoch), epoch)
+        return sampler_order(self.sampler, _mix(self.seed, epoch), epoch, self.order == "scalable")
 
     def _dealt_batches(self, epoch: int) -> list[list[Any]]:
         """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""

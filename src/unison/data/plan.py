@@ -4,6 +4,9 @@ The global order of an epoch is drawn once (`sampler_order`: torch's own sampler
 tensor op, any other sampler by iterating it under a pinned RNG); `RankPlan` keeps only
 this rank's indices (1/W of them) and the batch bounds, and the global order is dropped.
 A batch becomes a list of ints only when the loader asks for it.
+
+The constant-memory order (`PermutedOrder`, order="scalable") is never drawn whole:
+`PositionPlan` computes this rank's positions of a batch and evaluates the order there.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils.data import RandomSampler, SequentialSampler
+
+from unison.data.permutation import CHUNK_ITEMS, PermutedOrder, draw_key
 
 
 def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | None:
@@ -32,9 +37,13 @@ def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | None:
     return None
 
 
-def sampler_order(sampler: Any, seed: int, epoch: int) -> Tensor | list[Any]:
+def sampler_order(
+    sampler: Any, seed: int, epoch: int, scalable: bool = False
+) -> Tensor | list[Any] | PermutedOrder:
     """What `sampler` yields for `epoch`, drawn under `seed` (its generator and the global RNG pinned,
-    both restored): an int64 tensor when the indices are ints, else a list.
+    both restored): an int64 tensor when the indices are ints, else a list. With `scalable` (a
+    shuffle of every item once, see `pick_order`), the constant-memory `PermutedOrder` keyed from
+    the same generator instead, as a `ScalableRandomSampler` with that generator would yield.
 
     >>> sampler_order(SequentialSampler(range(4)), seed=0, epoch=0)
     tensor([0, 1, 2, 3])
@@ -51,7 +60,8 @@ def sampler_order(sampler: Any, seed: int, epoch: int) -> Tensor | list[Any]:
         try:
             if has_gen:
                 sampler.generator = generator
-            fast = _fast_order(sampler, generator)
+            fast = PermutedOrder(len(sampler), draw_key(generator)) if scalable else None
+            fast = _fast_order(sampler, generator) if fast is None else fast
             order: list[Any] = list(sampler) if fast is None else []
         finally:
             if has_gen:
@@ -90,14 +100,22 @@ class RankPlan:
 
 
 def strided_plan(
-    order: Tensor | list[Any], rank: int, world_size: int, batch_size: int, n_batches: int, pad: bool
-) -> RankPlan:
+    order: Tensor | list[Any] | PermutedOrder,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    n_batches: int,
+    pad: bool,
+) -> RankPlan | PositionPlan:
     """Rank `rank`'s batches of `order`: global positions `rank, rank + W, ...`, `batch_size` at a time.
 
     `pad=True` wraps positions past the end (every rank gets `n_batches` full-length shares up to
     `ceil(n / W)` items); `pad=False` keeps only real positions, and a rank whose share of a batch is
-    empty gets one padding item (so it still takes part in every step).
+    empty gets one padding item (so it still takes part in every step). A `PermutedOrder` gets the
+    same batches from a `PositionPlan`, evaluated when asked for.
     """
+    if isinstance(order, PermutedOrder):
+        return PositionPlan(order, rank, world_size, batch_size, n_batches, pad)
     n = len(order)
     if n == 0 or n_batches == 0:
         return RankPlan(order[:0], [0], [])
@@ -145,3 +163,78 @@ def dealt_plan(batches: Sequence[Sequence[Any]], rank: int, world_size: int) -> 
         bounds.append(len(items))
     as_ints = all(isinstance(i, int) for i in items)
     return RankPlan(torch.tensor(items, dtype=torch.long) if as_ints else items, bounds, real), sizes
+
+
+class _RealRows(Sequence[int]):
+    """`PositionPlan.real` without a list: the real rows of batch `k`, by arithmetic."""
+
+    def __init__(self, plan: PositionPlan) -> None:
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not 0 <= k < len(self):
+            raise IndexError(f"batch {k} outside a plan of {len(self)} batches")
+        return self.plan.real_rows(k)
+
+
+class PositionPlan:
+    """This rank's batches of an order evaluated per position (`PermutedOrder`): `RankPlan`'s
+    batches, padding and `real` rows, without holding the order or this rank's share of it.
+
+    Items are evaluated `CHUNK_ITEMS` at a time (one chunk kept), starting at the batch asked
+    for: a resumed step costs what the first one does.
+
+    >>> plan = PositionPlan(PermutedOrder(10**10, key=1), rank=1, world_size=8, batch_size=4,
+    ...                     n_batches=10**9, pad=False)
+    >>> len(plan.batch(123_456_789))
+    4
+    """
+
+    def __init__(
+        self, order: PermutedOrder, rank: int, world_size: int, batch_size: int, n_batches: int, pad: bool
+    ) -> None:
+        n = len(order)
+        self.order, self.rank, self.world_size, self.batch_size = order, rank, world_size, batch_size
+        self.n_batches = n_batches if n else 0
+        self.real_items = max(0, -(-(n - rank) // world_size))  # positions rank + W*j < n
+        self.take = min(-(-n // world_size) if pad else self.real_items, n_batches * batch_size)
+        self.real = _RealRows(self)
+        self._per_chunk = max(1, CHUNK_ITEMS // batch_size)  # batches a chunk holds
+        self._chunk: tuple[int, Tensor] = (-1, torch.zeros(0, dtype=torch.long))
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def rows(self, k: int) -> int:
+        """Items in this rank's batch `k` (0: an empty share, given one padding item)."""
+        return max(0, min((k + 1) * self.batch_size, self.take) - k * self.batch_size)
+
+    def real_rows(self, k: int) -> int:
+        return max(0, min(self.rows(k), self.real_items - k * self.batch_size))
+
+    def _items_of_chunk(self, c: int) -> Tensor:
+        if self._chunk[0] != c:
+            first = c * self._per_chunk * self.batch_size
+            last = min(first + self._per_chunk * self.batch_size, self.take)
+            positions = (self.rank + self.world_size * torch.arange(first, last)) % len(self.order)
+            self._chunk = (c, self.order.at(positions))
+        return self._chunk[1]
+
+    def batch(self, k: int, as_tensor: bool = False) -> Any:
+        rows = self.rows(k)
+        if rows == 0:  # an empty share (only ever after every non-empty one): one padding item
+            part = self.order.at(torch.tensor([k % len(self.order)]))
+        else:
+            c = k // self._per_chunk
+            offset = (k - c * self._per_chunk) * self.batch_size
+            part = self._items_of_chunk(c)[offset : offset + rows]
+        return part if as_tensor else part.tolist()
+
+    def batches(self, start: int = 0, as_tensor: bool = False) -> Iterator[Any]:
+        for k in range(start, len(self)):
+            yield self.batch(k, as_tensor)

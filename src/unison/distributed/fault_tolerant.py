@@ -39,6 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.callbacks.core import Callback
 from unison.data.batch import batch_size_of, map_tensors
+from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.launch.lighthouse import LIGHTHOUSE_ENV, REPLICA_ENV, lighthouse_main, start_lighthouse
 
 __all__ = [
@@ -107,7 +108,8 @@ class FaultTolerantTrainer(Callback):
     replica's name (default `UNISON_REPLICA_ID`, else the host and process id); `min_replicas`:
     fewer participants than this and no step commits; `start_replicas`: the first step waits
     (up to `quorum_timeout`) until this many replicas take part; `timeout`: seconds any all-reduce, commit
-    vote or state transfer may take before the step is given up and redone.
+    vote or state transfer may take before the step is given up and redone; `verbose`: torchft's
+    INFO lines and tracebacks too (default `UNISON_FT_VERBOSE`; see `distributed.ft_logs`).
 
     >>> with learn.distrib_ctx(fault_tolerant={"min_replicas": 2}):       # doctest: +SKIP
     ...     learn.fit(3)
@@ -125,11 +127,13 @@ class FaultTolerantTrainer(Callback):
         timeout: float = 30.0,
         quorum_timeout: float = 60.0,
         start_replicas: int = 1,
+        verbose: bool | None = None,
     ) -> None:
         self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         self.replica_id = replica_id or os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
         self.start_replicas = start_replicas
+        self.verbose = verbose  # torchft's INFO lines and tracebacks (default: UNISON_FT_VERBOSE)
         self.manager: Any = None
         self._store: Any = None
         self._witness = QuorumWitness(None)
@@ -168,6 +172,8 @@ class FaultTolerantTrainer(Callback):
         """The replica group's own gloo group (under `unison launch --nproc G`), one store that group
         rank 0 hosts, and a torchft `Manager` on every rank (group rank, G), all under one replica id."""
         from torch.distributed import TCPStore
+
+        quiet_torchft(self.verbose)  # before torchft's Rust logger starts
         from torchft import Manager, ProcessGroupGloo
 
         from unison.distributed.env import group_active
@@ -264,10 +270,9 @@ class FaultTolerantTrainer(Callback):
         self._position = (learn.start_epoch, learn.start_iter)
         self._quorum()
         self._wait_for_start_replicas()
-        if self._healed_to is not None:
-            epoch, step = self._healed_to
-            source = f" (replica {self._witness.healed_from})" if self._witness.healed_from else ""
-            self._say(f"healed from a live peer{source}: joins at epoch {epoch} step {step}")
+        healed, witness = self._healed_to, self._witness
+        self._say(start_line(self._position, healed, witness.replica_ids, witness.healed_from))
+        if healed is not None:
             learn.start_epoch, learn.start_iter = self._healed_to
             self.events["healed_at"] = self._healed_to
             self._position = self._healed_to
@@ -377,9 +382,16 @@ class FaultTolerantTrainer(Callback):
         (torchft's all-reduce, per group rank); True when the step may be taken (voted by the group)."""
         from torch.distributed import ReduceOp
 
-        params = [p for p in self.learn.model.parameters() if p.requires_grad]
+        learn = self.learn
+        params = [p for p in learn.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # The share's summed loss and its count ride along: summed with the gradient, they give the
+        # whole global batch's loss, the same on every replica (the recorder's train_loss).
+        riders = []
+        if learn.loss is not None and grads:
+            count = torch.tensor(float(learn.loss_count))
+            riders = [torch.stack([learn.loss.detach().cpu() * count, count]).to(grads[0])]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders])
         if self.group_size > 1:
             self._group_sum(flat)
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
@@ -388,6 +400,8 @@ class FaultTolerantTrainer(Callback):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(g).clone()
             offset += n
+        if riders and float(flat[-1]) > 0:  # (each rank of a group: the recorder's own sum keeps it)
+            learn.loss, learn.loss_count = flat[-2] / flat[-1], float(flat[-1])
         return bool(self.manager.should_commit())
 
     def _group_sum(self, flat: torch.Tensor) -> None:

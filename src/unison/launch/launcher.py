@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from unison.launch.bar_relay import BarRelay
 from unison.launch.environ import exported, quiet_torch_logs
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.lighthouse import (
@@ -40,6 +41,7 @@ from unison.launch.lighthouse import (
     replica_options,
     served_lighthouse,
 )
+from unison.launch.neighbours import other_launches, sharing_note
 from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import (
     LaunchError,
@@ -218,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("gloo", "nccl"),
         help="process-group backend for every worker (gloo: train on the CPUs of a GPU machine)",
     )
-    add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs")
+    add("-v", "--verbose", action="store_true", help="show torch's elastic agent logs (and torchft's)")
     add("script", help="the training script (a module with -m, a program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     add_torchrun_options(p)
@@ -330,6 +332,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     logs: RankLogsSpecs | None = None
     gloo_interface: str | None = None
+    notes: list[str] = field(default_factory=list)  # lines printed after `describe`'s
 
     def describe(self, opts: LaunchOptions) -> str:
         """One line about the launch, for the console."""
@@ -354,12 +357,17 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from unison.launch.logs import RankLogsSpecs
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads_per_worker(opts.nproc))
+    others = {} if os.environ.get("OMP_NUM_THREADS") else other_launches()  # their workers share the cores
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
+        threads_per_worker(opts.nproc + sum(others.values()))
+    )
     if not os.environ.get("OMP_NUM_THREADS"):  # ours, not the user's: a spawn inside a worker divides it
         env[LAUNCHER_THREADS_ENV] = env["OMP_NUM_THREADS"]
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
+    if opts.verbose:  # torchft's own INFO lines and tracebacks too, under fault tolerance
+        env["UNISON_FT_VERBOSE"] = "1"
     if opts.backend is not None:
         from unison.distributed.devices import BACKEND_ENV
 
@@ -433,7 +441,10 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.legacy_local_rank:  # where torch.distributed.launch put it: before the script's args
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
-    return LaunchPlan(config=config, args=args, env=env, logs=logs, gloo_interface=gloo)
+    note = sharing_note(others, opts.nproc, int(env["OMP_NUM_THREADS"]))
+    return LaunchPlan(
+        config=config, args=args, env=env, logs=logs, gloo_interface=gloo, notes=[note] if note else []
+    )
 
 
 def launch(opts: LaunchOptions) -> int:
@@ -464,15 +475,24 @@ def launch(opts: LaunchOptions) -> int:
         for note in opts.torchrun.notes:
             print(f"unison launch: note: {note}", file=sys.stderr, flush=True)
         print(plan.describe(opts), file=sys.stderr, flush=True)
+        for note in plan.notes:
+            print(note, file=sys.stderr, flush=True)
         if keep_logs and not opts.log_dir:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        with served_lighthouse(opts.replica) as lighthouse, WatchWorkers(), plan.logs.console_guard():
+        relay = _bar_relay(plan.logs)
+        with (
+            served_lighthouse(opts.replica) as lighthouse,
+            WatchWorkers(),
+            plan.logs.console_guard(),
+            relay.console() if relay else contextlib.nullcontext(),
+        ):
             if lighthouse:  # --start-lighthouse: serves the other replica groups' launches too
                 print(f"unison launch: lighthouse serving at {lighthouse}", file=sys.stderr, flush=True)
                 plan.env[LIGHTHOUSE_ENV] = lighthouse
-            with _heartbeats(opts) as beats, exported({**plan.env, **beats}):
+            bars = relay.env() if relay else {}
+            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars}):
                 launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
@@ -538,6 +558,16 @@ def _silent_error_text(name: str, opts: LaunchOptions) -> str:
     if name == "RendezvousClosedError":
         return "the job's rendezvous was closed: another node ended the job (see its output)"
     return "(torch gave no message)"
+
+
+def _bar_relay(logs: RankLogsSpecs) -> BarRelay | None:
+    """Rank 0's bars drawn on the launcher's terminal, when its stderr is one and shows rank 0's."""
+    from torch.distributed.elastic.multiprocessing.api import Std
+
+    relay = BarRelay.for_terminal(sys.stderr) if logs.on_console(0, Std.ERR) else None
+    if relay is not None:
+        logs.on_attempt = relay.clear  # a restarted rank 0's old bars are stale
+    return relay
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

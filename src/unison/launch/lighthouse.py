@@ -4,7 +4,8 @@ options that start or join one.
 - `start_lighthouse`: torchft's `LighthouseServer` in this process.
 - `lighthouse_main`: the `unison lighthouse` command.
 - `ReplicaOptions` / `add_replica_options` / `replica_options`: `unison launch --lighthouse ADDRESS`,
-  `--start-lighthouse [--min-replicas N]` and `--replica-id NAME`, checked before anything starts;
+  `--start-lighthouse [--min-replicas N] [--lighthouse-join-timeout-ms MS] [--lighthouse-quorum-tick-ms MS]
+  [--lighthouse-heartbeat-timeout-ms MS]` and `--replica-id NAME`, checked before anything starts;
   `served_lighthouse` runs the launch's own lighthouse in a process of its own while the launch runs.
 
 One `unison launch` is one replica group: with `--max-restarts N` its elastic agent restarts this
@@ -43,6 +44,16 @@ REPLICA_ENV = "UNISON_REPLICA_ID"
 
 #: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
 DEFAULT_PORT = 29510
+#: torchft's lighthouse timings unless told (ms): how long a quorum waits for replicas that were in
+#: the last one (after a loss, most of the survivors' stall), how often it checks, and how long a
+#: replica may stay silent before it counts as gone.
+JOIN_TIMEOUT_MS, QUORUM_TICK_MS, HEARTBEAT_TIMEOUT_MS = 2000, 100, 5000
+#: `unison launch --start-lighthouse`'s timing options: (option, field, help).
+_TIMINGS = (
+    ("--lighthouse-join-timeout-ms", "join_timeout_ms", "started lighthouse: wait for late replicas (2000)"),
+    ("--lighthouse-quorum-tick-ms", "quorum_tick_ms", "started lighthouse: quorum check period (100)"),
+    ("--lighthouse-heartbeat-timeout-ms", "heartbeat_timeout_ms", "started lighthouse: silent = gone (5000)"),
+)
 _PARENT_ENV = "UNISON_LIGHTHOUSE_PARENT"  # the launcher a served lighthouse ends with
 _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
@@ -54,9 +65,9 @@ class LighthouseOptionError(ValueError):
 def start_lighthouse(
     min_replicas: int = 1,
     port: int = 0,
-    join_timeout_ms: int = 2000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5000,
+    join_timeout_ms: int = JOIN_TIMEOUT_MS,
+    quorum_tick_ms: int = QUORUM_TICK_MS,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
 ) -> Any:
     """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
     its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.
@@ -84,10 +95,15 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="unison lighthouse", description=lighthouse_main.__doc__)
     parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
-    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="wait for late replicas")
-    parser.add_argument("--quorum-tick-ms", type=int, default=100)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    parser.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="wait for late replicas")
+    parser.add_argument("--quorum-tick-ms", type=int, default=QUORUM_TICK_MS)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS)
     args = parser.parse_args(list(argv))
+    for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            print(f"unison lighthouse: {flag} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     if args.min_replicas < 1:
         print(
             f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
@@ -127,6 +143,10 @@ class ReplicaOptions:
     min_replicas: int = 1
     lighthouse_port: int = 29510
     replica_id: str | None = None
+    #: the started lighthouse's timings (`unison lighthouse`'s options of the same names, in ms)
+    join_timeout_ms: int = JOIN_TIMEOUT_MS
+    quorum_tick_ms: int = QUORUM_TICK_MS
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
 
     @property
     def active(self) -> bool:
@@ -187,6 +207,8 @@ def add_replica_options(parser: argparse.ArgumentParser) -> None:
     add("--min-replicas", type=int, default=None, metavar="N", help="started lighthouse: fewest replicas")
     add("--lighthouse-port", type=int, default=None, metavar="P", help="its port (default 29510; 0: any)")
     add("--replica-id", metavar="NAME", help="this replica group's name (UNISON_REPLICA_ID); kept on restart")
+    for flag, field, text in _TIMINGS:
+        add(flag, dest=field, type=int, default=None, metavar="MS", help=text)
 
 
 def replica_options(a: argparse.Namespace) -> ReplicaOptions:
@@ -199,6 +221,12 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: expected http://host:port")
     if a.lighthouse and not 0 < int(_ADDRESS.match(a.lighthouse).group(2)) < 65536:  # type: ignore[union-attr]
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
+    timings = {field: getattr(a, field, None) for _, field, _ in _TIMINGS}
+    for flag, field, _ in _TIMINGS:
+        if timings[field] is not None and not a.start_lighthouse:
+            raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
+        if timings[field] is not None and timings[field] < 1:
+            raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {timings[field]}")
     for name in ("min_replicas", "lighthouse_port"):
         if getattr(a, name) is not None and not a.start_lighthouse:
             raise LighthouseOptionError(f"--{name.replace('_', '-')} needs --start-lighthouse")
@@ -216,7 +244,8 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
             f"--start-lighthouse: port {port} is already in use on this machine (another lighthouse?): "
             "join it with --lighthouse http://host:port, or choose --lighthouse-port"
         )
-    return ReplicaOptions(a.lighthouse, a.start_lighthouse, a.min_replicas or 1, port, a.replica_id)
+    given = {field: value for field, value in timings.items() if value is not None}
+    return ReplicaOptions(a.lighthouse, a.start_lighthouse, a.min_replicas or 1, port, a.replica_id, **given)
 
 
 @contextlib.contextmanager
@@ -233,7 +262,13 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
         yield None
         return
     cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
-    cmd += ["--port", str(opts.lighthouse_port)]
+    cmd += ["--port", str(opts.lighthouse_port), "--join-timeout-ms", str(opts.join_timeout_ms)]
+    cmd += [
+        "--quorum-tick-ms",
+        str(opts.quorum_tick_ms),
+        "--heartbeat-timeout-ms",
+        str(opts.heartbeat_timeout_ms),
+    ]
     env = {**os.environ, _PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
@@ -67,6 +67,7 @@ class RankLogsSpecs(LogsSpecs):
         self.console_lost = False  # the console's stdout or stderr went away (a closed pipe)
         self.notes = _AGENT_NOTES.reset()  # what torch's agent logged about its workers
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
+        self.on_attempt: Callable[[], None] | None = None  # called as each attempt starts (bar relay)
         self._consoles: tuple[_Console, ...] = ()  # the console's streams while `console_guard` holds them
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
@@ -83,6 +84,8 @@ class RankLogsSpecs(LogsSpecs):
         return str(self._root_log_dir)
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        if self.on_attempt is not None:
+            self.on_attempt()
         first = next(iter(envs.values()), {})
         restart = first.get("TORCHELASTIC_RESTART_COUNT", "0")
         # Counted here: torch's count stays put on a node restarting its workers for a re-joining

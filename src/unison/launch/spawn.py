@@ -27,6 +27,7 @@ import torch
 from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.group import TIMEOUT_ENV
+from unison.launch.bar_relay import BarRelay
 from unison.launch.rendezvous import WatchWorkers, heartbeat_store
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -93,11 +94,17 @@ def spawn(
             "start_method='spawn'"
         )
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
+    # From a terminal, the workers' output is forwarded a line at a time, prefixed with the rank,
+    # and rank 0's bars are drawn below it (as `unison launch` does); elsewhere (a notebook, a
+    # pipe) the workers write to the caller's stdout and stderr themselves.
+    relay = BarRelay.for_terminal(sys.stderr)
+    forwarded = {"redirects": Std.ALL, "tee": Std.ALL} if relay else {}
+    logs_specs = DefaultLogsSpecs(log_dir=log_dir, **forwarded)
     # Forking: torch's launcher asks torch.cuda.is_available() (LaunchConfig, the agent), which
     # initialises CUDA unless answered by NVML; the children could not use their GPUs then.
     fork_safe = cuda_check_without_init if method == "fork" else contextlib.nullcontext
@@ -115,14 +122,22 @@ def spawn(
             local_addr="127.0.0.1",
             max_restarts=max_restarts,
             start_method=method,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            logs_specs=logs_specs,
+            log_line_prefix_template="[rank${rank}] " if relay else None,
             shutdown_timeout=10,  # a worker that ignores SIGTERM is killed after this
         )
     try:
         # As under `unison launch`: the heartbeat store lives here, not in rank 0 (a frozen rank 0
         # would take down the store the others diagnose it with), and a stopped worker told to
         # terminate is continued so it ends at once (torch's agent would wait 30 s to kill it).
-        with heartbeat_store() as beats, _agent_state(beats), WatchWorkers(), fork_safe():
+        bars = relay.env() if relay else {}
+        with (
+            heartbeat_store() as beats,
+            _agent_state({**beats, **bars}),
+            WatchWorkers(),
+            fork_safe(),
+            relay.console() if relay else contextlib.nullcontext(),
+        ):
             run = elastic_launch(config, _worker)
             results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
     except ChildFailedError as exc:

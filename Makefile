@@ -48,7 +48,7 @@ slurm-deps:
 # `make test` (what CI runs): lint, the strict docs build, then every tier on TEST_JOBS parallel
 # workers (pytest-xdist; tests that share a fixture, a fixed name or a port stay on one worker),
 # and prints its wall time. `make test-fast`: the in-process tier alone, to run while editing.
-TEST_JOBS ?= 4
+TEST_JOBS ?= 3
 .PHONY: test-fast test-clock
 test: $(STAMP) slurm-deps test-clock lint docs
 	@$(PY) -m pytest -q -n $(TEST_JOBS) --durations=15; status=$$?; \

@@ -48,8 +48,25 @@ slurm-deps:
 	    || echo "slurm-deps: apt-get failed: the SLURM tests will be skipped"; \
 	else echo "slurm-deps: missing$$missing, and no apt-get as root: the SLURM tests will be skipped"; fi
 
-test: lint docs slurm-deps
-	$(PY) -m pytest -q --durations=15
+# The tests, in tiers by what they start (CONTRIBUTING.md, tests/tiers.py).
+# `make test` (what CI runs): lint, the strict docs build, then every tier on TEST_JOBS parallel
+# workers (pytest-xdist; tests that share a fixture, a fixed name or a port stay on one worker),
+# and prints its wall time. `make test-fast`: the in-process tier alone, to run while editing.
+TEST_JOBS ?= 3
+.PHONY: test-fast test-clock
+test: $(STAMP) slurm-deps test-clock lint docs
+	@$(PY) -m pytest -q -n $(TEST_JOBS) --durations=15; status=$$?; \
+	echo "make test: $$(( $$(date +%s) - $$(cat build/.test-start) )) s wall, install excluded ($(TEST_JOBS) workers; load average $$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null))"; \
+	exit $$status
+
+test-clock:  # when `make test` began, after the installs: lint and docs count, the installs do not
+	@mkdir -p build && date +%s > build/.test-start
+
+test-fast: $(STAMP)
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q -m "not slow" -n 2 --tier-check=fail --durations=5; status=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s wall (load average $$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null))"; \
+	exit $$status
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

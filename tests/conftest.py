@@ -9,6 +9,16 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 sys.path.insert(0, str(ROOT))
 
+from tests.tiers import (  # noqa: E402, F401  (pytest hooks: the tiers, groups and process check)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_call,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
 from tests.worker_pool import WorkerPool  # noqa: E402
 
 
@@ -31,13 +41,3 @@ def bare_pool2():
     """Two ranks with launcher variables but no process group: unison must make its own."""
     with WorkerPool(2, init_group=False) as pool:
         yield pool
-
-
-POOL_FIXTURES = {"pool2", "pool3", "bare_pool2"}
-
-
-def pytest_collection_modifyitems(items):
-    """Tests on the shared process pools start real processes: mark them slow like the launch tests."""
-    for item in items:
-        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)

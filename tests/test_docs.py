@@ -72,6 +72,7 @@ def unique_blocks():
     return params
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
 @pytest.mark.parametrize("code, reason", unique_blocks())
 def test_python_block_runs(code, reason, tmp_path):
@@ -122,6 +123,7 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(360)
 def test_manual_builds_in_strict_mode(tmp_path):
     """A broken link, a page left out of the nav, or a docstring griffe cannot read fails the build."""
@@ -247,7 +249,7 @@ def test_split_readme_appends_to_an_existing_page_and_refuses_an_unknown_section
         split_readme.main(["Nowhere", "x.md", "--root", str(root)])
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.timeout(360)
 def test_moving_the_remaining_sections_keeps_the_build_strict(tmp_path):
     """The later run of docs/split_readme.py, on a copy: every README section that still has a page

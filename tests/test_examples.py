@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.procs
 def test_train_digits_reaches_95_percent(tmp_path):
     out = tmp_path / "digits"
     proc = subprocess.run(
@@ -35,6 +34,7 @@ def test_train_digits_reaches_95_percent(tmp_path):
     assert not (tmp_path / "models").exists()  # everything went under --out
 
 
+@pytest.mark.launch
 def test_make_demo_trains_on_one_then_two_processes_and_they_agree(tmp_path):
     """`make demo`: the same file on 1 process and under `unison launch --nproc 2` (half the
     per-process batch: the same global batch), compared on weights, loss curve and accuracy."""

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fault_scripts import disks
 
-pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
+pytestmark = pytest.mark.launch  # real processes: launches, spawns, kills
 
 SCRIPT = Path(__file__).parent / "fault_scripts" / "resumable.py"
 

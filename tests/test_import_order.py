@@ -10,6 +10,8 @@ interpreter does with them, package `__init__`s included.
 import subprocess
 import sys
 
+import pytest
+
 CODE = """
 import importlib, pkgutil, sys
 import unison
@@ -28,6 +30,7 @@ print("\\n".join(failed))
 """
 
 
+@pytest.mark.procs
 def test_every_module_imports_first() -> None:
     done = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

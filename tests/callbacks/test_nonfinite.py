@@ -454,7 +454,7 @@ def test_two_processes_nan_validation_on_rank_1_stops_both_naming_it(pool2, tmp_
 
 
 # ---- under unison launch --max-restarts 2 ----------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.launch
 def test_launch_stops_on_a_nan_and_does_not_restart_into_it(tmp_path):
     logs, work = tmp_path / "logs", tmp_path / "work"
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "2"]

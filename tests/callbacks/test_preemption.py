@@ -220,7 +220,7 @@ class HangAfterSignal(Callback):
             time.sleep(60)
 
 
-@pytest.mark.slow  # a fresh interpreter: about 6 s
+@pytest.mark.procs  # a fresh interpreter: about 6 s
 def test_a_rank_stuck_after_the_signal_ends_by_it_within_the_stall_limit(tmp_path: Path) -> None:
     """torch's agent stops the survivors of a failed rank with SIGTERM; one that is hung (it will never
     reach a step boundary) must end as SIGTERM's default action ends it, not hold the job for the
@@ -256,7 +256,7 @@ def fit_with_a_slow_save_signalled(path: str, seconds: float) -> None:
     _fit(_learner(Path(path)))
 
 
-@pytest.mark.slow  # a fresh interpreter: about 10 s
+@pytest.mark.procs  # a fresh interpreter: about 10 s
 def test_a_checkpoint_write_longer_than_the_stall_limit_is_not_taken_for_a_hang(tmp_path: Path) -> None:
     """A signal that arrives while a checkpoint is being written, on a disk slow enough that the write
     outlasts the stall limit: the write is progress, so the rank finishes it, writes the preemption

@@ -167,6 +167,7 @@ class SeeFile(Callback):
         self.seen.append(self.file.exists())
 
 
+@pytest.mark.procs
 def test_resume_removes_the_temp_file_a_killed_save_left(tmp_path):
     first = _learner(tmp_path, 8)
     with pytest.raises(Stop):

@@ -149,6 +149,7 @@ def _killed_mid_write(path):
     return list(path.parent.glob(f".{path.name}.*.tmp"))
 
 
+@pytest.mark.procs
 def test_a_kill_during_a_save_leaves_a_temp_file_that_the_next_save_removes(tmp_path):
     path = tmp_path / "checkpoint.pth"
     stale = _killed_mid_write(path)
@@ -158,6 +159,7 @@ def test_a_kill_during_a_save_leaves_a_temp_file_that_the_next_save_removes(tmp_
     assert torch.equal(safe_load(path)["model"]["w"], _state()["model"]["w"])
 
 
+@pytest.mark.procs
 def test_a_live_writers_temp_file_is_never_removed(tmp_path):
     path = tmp_path / "checkpoint.pth"
     pattern = str(tmp_path / ".checkpoint.pth.{pid}.0123456789ab.tmp")

@@ -263,7 +263,7 @@ def _launch(folder, nproc):
     return proc, time.monotonic() - start
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_launched_resume_of_a_flipped_checkpoint_fails_naming_the_file(tmp_path):
     """The reported run, through `unison launch`: 2 sharded processes write, 16 bytes flip, and the
     resume on 2 processes and on 1 ends non-zero with the file named, instead of rc 0."""

@@ -159,6 +159,7 @@ def test_torn_checkpoints_are_refused(tmp_path):
         read_meta(ok, learn.model)
 
 
+@pytest.mark.procs
 def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
     folder = tmp_path / "ckpt.dcp"
     for attempt in range(2):

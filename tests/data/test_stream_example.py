@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # real processes
+pytestmark = pytest.mark.launch  # real processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLE = str(ROOT / "examples" / "stream_digits.py")

@@ -167,7 +167,7 @@ def test_resume_on_a_model_off_the_cpu_restores_the_rng(tmp_path):
 
 
 # ---- item 1 and 12: spawn's fork path must not initialise CUDA in the parent; results come back on CPU
-@pytest.mark.slow
+@pytest.mark.procs
 def test_fork_spawn_asks_nvml_and_leaves_cuda_uninitialised(monkeypatch):
     from unison.launch.spawn import spawn
 

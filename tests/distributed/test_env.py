@@ -75,6 +75,7 @@ def _anon_huge_kb(env: dict) -> int:
     return int(out.stdout.strip())
 
 
+@pytest.mark.procs
 def test_the_launchers_huge_pages_setting_backs_large_tensors_with_huge_pages(monkeypatch):
     # What `unison launch` exports (huge_pages_env) is a setting torch honours: a 64 MB tensor lands
     # on 2 MB pages with it, not without (THP in the kernel's `madvise` mode, this project's machines).

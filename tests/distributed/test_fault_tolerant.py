@@ -113,6 +113,7 @@ def test_batchnorm_and_sharding_are_refused_in_one_line_since_they_cannot_be_exa
             pass
 
 
+@pytest.mark.lighthouse
 @pytest.mark.timeout(60)
 def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_the_fix(monkeypatch):
     lighthouse = start_lighthouse(min_replicas=2)  # this replica is alone
@@ -191,6 +192,7 @@ def plain_run(tmp_path, epochs: int, *data: str) -> None:
 @pytest.mark.parametrize(
     "data", [[], ["--sampler"], ["--stream"]], ids=["shuffled-loader", "uneven-batch-sampler", "stream"]
 )
+@pytest.mark.lighthouse
 def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uninterrupted_weights(
     tmp_path, data
 ):
@@ -252,7 +254,10 @@ def group_launch(out, name, *args, lighthouse, where=None):
     return proc
 
 
-@pytest.mark.slow
+# 5 processes each, waiting 60 s at most for the replicas to start and agree: two at once on a loaded
+# 2-core machine missed it (a -n 4 run), so one worker runs them one after the other.
+@pytest.mark.xdist_group("torchft-groups-of-two")
+@pytest.mark.lighthouse
 @pytest.mark.timeout(240)
 def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_group_which_heals(tmp_path):
     die_at = random.randint(3, 12)  # a random global step (of 64); printed on failure
@@ -304,7 +309,8 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
     assert joined > die_at and runs["b0"]["steps"] == runs["b1"]["steps"] == total - joined
 
 
-@pytest.mark.slow
+@pytest.mark.xdist_group("torchft-groups-of-two")  # (see above)
+@pytest.mark.lighthouse
 @pytest.mark.timeout(240)
 def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_killed_process(
     machines,  # noqa: F811
@@ -345,7 +351,7 @@ def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_kil
     assert runs["a0"]["steps"] == 3 * runs["a0"]["steps_per_epoch"]  # group a never restarted
 
 
-@pytest.mark.slow
+@pytest.mark.lighthouse
 @pytest.mark.timeout(150)
 def test_a_stalled_replica_does_not_hang_the_other_which_names_it_and_ends_on_the_uninterrupted_weights(
     tmp_path,
@@ -384,7 +390,7 @@ def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):
     assert capsys.readouterr().err == "unison lighthouse: --min-replicas must be at least 1, got 0\n"
 
 
-@pytest.mark.slow
+@pytest.mark.lighthouse
 @pytest.mark.timeout(120)
 def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigterm(tmp_path):
     from torchft.coordination import LighthouseClient
@@ -412,7 +418,7 @@ def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigt
             proc.wait(timeout=10)
 
 
-@pytest.mark.slow
+@pytest.mark.lighthouse
 @pytest.mark.timeout(300)
 def test_after_losing_every_replica_the_job_resumes_from_checkpoints_and_ends_on_the_uninterrupted_weights(
     tmp_path,

@@ -39,7 +39,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_the_rank_that_stopped_is_named_after_the_group_was_destroyed(tmp_path):
     # Processes of their own: destroying a default group must not touch the test session's pools.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,11 +43,16 @@ def local_ray() -> Iterator[None]:
 
     ray.cloudpickle.register_pickle_by_value(train_ray)  # the workers cannot import it by name
     # The workers find unison where this process does (they inherit its environment).
+    # ray.init installs a SIGTERM handler (sys.exit) that ray.shutdown leaves: the next test in this
+    # process (under pytest-xdist, any module's) would chain to it; put the test session's back.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def one_process(epochs: int = 2, bs: int = 16, lr: float = 0.1) -> torch.Tensor:

@@ -250,7 +250,7 @@ def test_parity_tied_weights(pool2):
     _check(pool2.run(_parity, "tied", "adamw", ""))
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_readme_example_trains_sharded_on_two_processes(tmp_path):
     """examples/train_sharded.py under `unison launch --nproc 2`: learns, checkpoints sharded, exports."""
     script = Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # real processes: launches, kills
+pytestmark = pytest.mark.launch  # real processes: launches, kills
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fault_scripts" / "sharded_resumable.py"
 

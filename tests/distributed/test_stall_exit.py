@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 SCRIPT = textwrap.dedent(
     """

@@ -159,7 +159,7 @@ def max_dw(keep: Path, dtype: str, nproc: int = 2) -> tuple[float, dict[str, flo
     return max(each.values()), each
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(360)
 def test_the_digits_example_is_exact_on_1_and_2_processes(tmp_path: Path) -> None:
     """examples/train_digits.py (BatchNorm CNN, one-cycle AdamW): float32 rounding, float64 agrees."""
@@ -179,7 +179,7 @@ def test_the_digits_example_is_exact_on_1_and_2_processes(tmp_path: Path) -> Non
     assert not (tmp_path / "out" / "models").exists()  # the script stopped after the probed fit
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_rank_dependent_loss_diverges_naming_the_parameter(tmp_path: Path) -> None:
     """Rank 1 adds PUSH * sum(output bias) to its loss. After one SGD step the 2-process bias is
@@ -201,7 +201,7 @@ def test_a_rank_dependent_loss_diverges_naming_the_parameter(tmp_path: Path) -> 
     assert verdict_line.endswith("Diverging: 2.bias")
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_a_script_that_keeps_its_per_process_batch_is_refused(tmp_path: Path) -> None:
     """16 per process on 1 and on 2 processes: the global batches differ (16 and 32), no verdict."""

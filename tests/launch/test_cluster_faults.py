@@ -31,8 +31,6 @@ import pytest
 from tests.launch.test_launch import LAUNCH, ROOT, free_port
 from tests.launch.test_multinode import Machines, machines  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow  # real processes: launches, signals, cgroups, namespaces
-
 SCRIPT = str(ROOT / "tests" / "fault_scripts" / "cluster_job.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread a worker: 2 machines = 1 machine, bit for bit
 WAIT_S = 150  # bound on any one launch
@@ -178,6 +176,7 @@ def run_out_of_memory(job: Job) -> float:
     return went
 
 
+@pytest.mark.launch
 def test_an_oom_killed_rank_is_named_and_its_loader_workers_go_with_it(tmp_path: Path) -> None:
     """Rank 1 (with a DataLoader worker of its own) is OOM-killed mid-epoch: the job ends with 137
     naming the rank and the OOM killer, and no process is left (its loader worker used to outlive
@@ -199,6 +198,7 @@ def test_an_oom_killed_rank_is_named_and_its_loader_workers_go_with_it(tmp_path:
     assert leftovers(str(tmp_path)) == []
 
 
+@pytest.mark.launch
 def test_an_oom_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(
     tmp_path: Path, uninterrupted: str
 ) -> None:
@@ -221,6 +221,7 @@ def test_an_oom_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(
 
 
 # ---- the console's pipe ---------------------------------------------------------------------------
+@pytest.mark.launch
 def test_a_closed_stdout_pipe_keeps_the_training_and_says_where_the_output_went(
     tmp_path: Path, uninterrupted: str
 ) -> None:
@@ -250,6 +251,7 @@ def test_a_closed_stdout_pipe_keeps_the_training_and_says_where_the_output_went(
 
 
 # ---- one rank's sys.exit(0) -----------------------------------------------------------------------
+@pytest.mark.launch
 def test_a_rank_that_exits_0_mid_training_ends_the_job_naming_it(tmp_path: Path) -> None:
     """A torchrun-style script (its own group and DDP, no Learner): rank 1 calls sys.exit(0) mid-epoch.
     torch's agent counts exit 0 as that worker's success; rank 0's next collective fails at once on
@@ -287,6 +289,7 @@ def terminate_like_a_kubelet(job: Job) -> float:
     return time.monotonic() - sent
 
 
+@pytest.mark.launch
 def test_sigterm_stops_every_worker_within_the_grace_period(tmp_path: Path) -> None:
     """Two jobs at once: in one the workers stop on SIGTERM as a Learner does (every rank at one step,
     checkpointed: exit 75, "preempted"; tests/launch/test_preemption_launch.py resumes such jobs), in
@@ -355,6 +358,7 @@ def link(machines: Machines, up: bool) -> None:  # noqa: F811
     subprocess.run(cmd, check=True, capture_output=True, timeout=20)
 
 
+@pytest.mark.launch
 def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     machines: Machines,  # noqa: F811
     uninterrupted: str,

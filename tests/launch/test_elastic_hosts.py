@@ -19,7 +19,7 @@ from tests.launch.test_multinode import (  # noqa: F401  (fixtures)
     result,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 
 def elastic(endpoint: str, timeout: int) -> list[str]:

@@ -99,7 +99,7 @@ print("second attempt ran", flush=True)
 """
 
 
-@pytest.mark.slow  # a real launch and restart
+@pytest.mark.launch  # a real launch and restart
 def test_the_restart_line_starts_on_a_line_of_its_own(tmp_path):
     """The launcher's lines came glued to a rank's cut-off last line:
     `[rank0]:    learn.fit(3)unison launch: restarting the workers (restart 1 of 1): ...`."""
@@ -117,7 +117,7 @@ def test_the_restart_line_starts_on_a_line_of_its_own(tmp_path):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_failure_summary_starts_on_a_line_of_its_own(tmp_path):
     """The same cut-off line with no restart: the summary after it starts a line too."""
     script = tmp_path / "cut.py"
@@ -139,6 +139,7 @@ def _run_out_of_memory(group: Path) -> int:
     return subprocess.run(["sh", "-c", move], capture_output=True, timeout=60).returncode
 
 
+@pytest.mark.procs  # a process OOM-killed in a cgroup
 def test_the_oom_count_is_read_in_this_jobs_own_memory_cgroup():
     """A process of this job (in a cgroup below this process's own) OOM-killed: the count read for
     this process rises by one, from its own cgroup's file, and the cause is named without doubt."""
@@ -154,6 +155,7 @@ def test_the_oom_count_is_read_in_this_jobs_own_memory_cgroup():
         )
 
 
+@pytest.mark.procs  # a process OOM-killed in a cgroup
 def test_without_a_cgroup_of_its_own_the_machines_count_only_says_possibly(tmp_path):
     """Where the job has no memory cgroup to read (`root` names an empty folder: no cgroup files),
     the machine's count (/proc/vmstat) rises for any job's OOM kill: the cause is only possible."""
@@ -182,7 +184,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.slow  # a real launch
+@pytest.mark.launch  # a real launch
 def test_another_jobs_oom_kill_is_not_blamed_for_a_kill_9(tmp_path):
     """On a shared machine another job's process is OOM-killed while this job's worker gets a plain
     `kill -9`: the launcher read the machine's /proc/vmstat count and said `killed by the kernel's

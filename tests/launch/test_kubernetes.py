@@ -156,7 +156,7 @@ def nodes_env(kind: str, machines: Machines, port: int) -> list[dict[str, str]]:
     return [pod_elastic(f"{addr}:{port}") for _ in (0, 1)]  # elastic 1:2, both pods up
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("kind", ["pytorchjob-v1", "pytorchjob-v1-nproc", "trainjob-v2", "elastic-1:2"])
 def test_each_operators_pods_train_as_one_machine(
     kind: str, machines: Machines, single_machine: dict, one_process: dict
@@ -181,7 +181,7 @@ def test_each_operators_pods_train_as_one_machine(
     assert {i["GLOO_SOCKET_IFNAME"] for i in info} == set(machines.links)  # each on its own veth end
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_torchx_components_command_on_two_machines(
     machines: Machines, single_machine: dict, one_process: dict
 ) -> None:
@@ -200,7 +200,7 @@ def test_the_torchx_components_command_on_two_machines(
     assert f"elastic job 'app-1' at {machines.addrs[0]}:{port}" in err0
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_an_elastic_pod_replaced_mid_run_ends_on_the_uninterrupted_weights(
     machines: Machines,
     uninterrupted: str,
@@ -241,7 +241,7 @@ def test_an_elastic_pod_replaced_mid_run_ends_on_the_uninterrupted_weights(
     assert leftovers(str(tmp_path)) == []
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_an_elastic_job_that_loses_a_pod_for_good_goes_on_alone_at_a_smaller_global_batch(
     machines: Machines, uninterrupted: str, tmp_path: Path
 ) -> None:
@@ -271,7 +271,7 @@ def test_an_elastic_job_that_loses_a_pod_for_good_goes_on_alone_at_a_smaller_glo
     assert steps in (["6"], ["8"]), steps  # 48 or 64 samples left, 8 a step
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_v1_pod_lost_then_both_restarted_on_failure_end_on_the_uninterrupted_weights(
     machines: Machines, uninterrupted: str, tmp_path: Path
 ) -> None:

@@ -24,8 +24,6 @@ from unison.distributed.env import threads_per_worker
 from unison.launch import launcher as launch_mod
 from unison.launch.options import LaunchError
 
-pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "scripts"
 PY = sys.executable
@@ -256,6 +254,7 @@ def test_env_report_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ---- the command line, in real processes -----------------------------------------------------------
+@pytest.mark.procs
 def test_bad_input_fails_fast_on_the_command_line(tmp_path: Path) -> None:
     """A clear one-line error in well under 10 s, exit status 2, before anything starts.
 
@@ -286,6 +285,7 @@ def test_bad_input_fails_fast_on_the_command_line(tmp_path: Path) -> None:
             assert "must never run" not in out + err
 
 
+@pytest.mark.procs
 def test_option_errors_come_before_torch_is_imported(tmp_path: Path) -> None:
     """Bad options are answered before torch loads (which alone takes seconds): the console script
     and `python -m unison.launch` both import no torch module before the one-line error."""
@@ -309,6 +309,7 @@ def test_option_errors_come_before_torch_is_imported(tmp_path: Path) -> None:
         assert not [m for m in imported if m.split(".")[0] == "torch"], cmd
 
 
+@pytest.mark.launch
 def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
     """Two single-machine launches together (free ports), each checked for what its workers get."""
     probe = str(SCRIPTS / "probe.py")
@@ -372,6 +373,7 @@ def _pids(piddir: Path) -> list[int]:
     return [int(p.read_text()) for p in piddir.glob("pid*")]
 
 
+@pytest.mark.launch
 def test_worker_failure_gives_one_summary_and_stops_everyone(tmp_path: Path) -> None:
     fail = str(SCRIPTS / "fail.py")
     for mode, status, how, shown in [
@@ -398,6 +400,7 @@ def test_worker_failure_gives_one_summary_and_stops_everyone(tmp_path: Path) -> 
         assert len(pids) == 2 and not any(alive(p) for p in pids), "a worker outlived the launcher"
 
 
+@pytest.mark.launch
 def test_exit_status_is_the_workers(tmp_path: Path) -> None:
     """sys.exit(3) on rank 1: status 3, and the end of its stderr in the summary (no traceback)."""
     rc, _, err, _ = run([*LAUNCH, "--nproc", "2", str(SCRIPTS / "fail.py"), "exit3", str(tmp_path)])
@@ -414,6 +417,7 @@ def digests(out: str) -> dict[int, tuple[str, str, str]]:
     return {int(r): rest for r, *rest in DIGEST.findall(out)}
 
 
+@pytest.mark.launch
 def test_seed002_under_unison_launch_and_torchrun() -> None:
     example = str(ROOT / "examples" / "seed002_local_rank.py")
     # seed 002's own command with unison for torch.distributed.launch; every rank's stdout shows
@@ -433,6 +437,7 @@ def test_seed002_under_unison_launch_and_torchrun() -> None:
     assert float(a[0][2]) > 0.6  # it learned something
 
 
+@pytest.mark.launch
 def test_seed004_by_hand_on_loopback() -> None:
     example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
     port = str(free_port())
@@ -462,6 +467,7 @@ def test_seed004_by_hand_on_loopback() -> None:
     assert d0 == d1, "ranks ended with different weights"
 
 
+@pytest.mark.launch
 def test_backend_option_reaches_every_worker(tmp_path: Path) -> None:
     """`--backend gloo` (CPU training on a GPU machine): every worker's group is gloo, by the variable."""
     with pytest.raises(LaunchError, match="--backend: invalid choice: 'mpi'"):
@@ -483,6 +489,7 @@ def test_backend_option_reaches_every_worker(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.launch
 def test_the_restart_line_names_the_oom_killed_rank_not_the_survivor_the_agent_named(tmp_path: Path) -> None:
     """torch's agent names the failure with the earliest timestamp; a survivor that failed on its dead
     peer wrote its error file (and its time) before the agent saw the OOM-killed rank, which left

@@ -16,8 +16,6 @@ from torch import nn
 
 from unison import mp_spawn
 
-pytestmark = pytest.mark.slow  # real processes
-
 STEPS = 3
 
 
@@ -46,6 +44,7 @@ def main_worker(gpu, ngpus_per_node, out_dir):
     return flat
 
 
+@pytest.mark.procs
 def test_mp_spawn_runs_seed003_workers_with_the_index_first(tmp_path):
     assert inspect.signature(mp_spawn).parameters.keys() == inspect.signature(mp.spawn).parameters.keys()
     # spawn, not fork: forking a pytest process that has run OpenMP and gloo threads can deadlock.
@@ -88,6 +87,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("user_threads", [None, "3"])
 def test_processes_spawned_by_a_launched_worker_divide_its_share_of_the_cores(tmp_path, user_threads):
     """`unison launch --nproc 1` gives its one worker every core; the 2 processes that worker spawns

@@ -24,7 +24,7 @@ import pytest
 
 from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, digests, finish, free_port, start, tagged
 
-pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
+pytestmark = pytest.mark.launch  # real processes: launches, spawns, kills
 
 TRAIN = str(SCRIPTS / "train_tiny.py")
 SUBNET = "10.213.7"

@@ -31,7 +31,7 @@ def foreign_listener():
     sock.close()
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_an_endpoint_port_held_by_another_program_fails_fast_saying_so(foreign_listener):
     port = foreign_listener
     cmd = [sys.executable, "-m", "unison.launch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "20"]
@@ -58,7 +58,7 @@ def test_an_endpoint_port_held_by_this_jobs_store_is_accepted_another_jobs_refus
         check_rdzv_endpoint(f"127.0.0.1:{store.port}", run_id="job-b", wait=1.0)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_launch_on_another_jobs_store_is_refused_not_joined(tmp_path):
     """A TCPStore of another job listens on the endpoint's port: the launch used to join it and run to
     rc 0; it must refuse it before starting anything."""
@@ -117,7 +117,7 @@ def test_log_folders_and_files_are_private_to_the_user(tmp_path):
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_node_that_never_comes_is_explained_not_an_empty_error(tmp_path):
     """torch raises RendezvousTimeoutError with no text when a node is lost or never starts: the
     launcher's line says what it means and which timeout ran out."""

@@ -22,8 +22,6 @@ import torch.distributed.launcher.api
 from unison.distributed.env import threads_per_worker
 from unison.launch.spawn import SpawnError, _auto_start_method, spawn
 
-pytestmark = pytest.mark.slow  # real processes: launches, spawns, kills
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
@@ -149,6 +147,7 @@ def test_start_method_is_spawn_when_importable_else_fork(monkeypatch):
     assert _auto_start_method(notebook.train, (), {}) == "spawn"
 
 
+@pytest.mark.procs
 def test_returns_rank0_value_two_spawns_in_a_row_beside_another_job(monkeypatch, example_job):
     assert example_job.poll() is None, "the seed 003 example should still be running"
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -169,6 +168,7 @@ def test_returns_rank0_value_two_spawns_in_a_row_beside_another_job(monkeypatch,
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("start_method", [None, "fork"])  # None: "spawn" for a module function
 def test_a_failing_rank_is_named_promptly_and_no_worker_is_left(start_method, example_job):
     before, start = _pids(), time.monotonic()
@@ -184,6 +184,7 @@ def test_a_failing_rank_is_named_promptly_and_no_worker_is_left(start_method, ex
     assert _workers_alive(before, exclude={example_job.pid}) == []
 
 
+@pytest.mark.procs
 def test_a_killed_rank_is_named():
     def die_on_rank1():  # a closure: forked
         if os.environ["RANK"] == "1":
@@ -196,6 +197,7 @@ def test_a_killed_rank_is_named():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.procs
 def test_max_restarts_runs_the_function_again():
     result = spawn(_fails_once, 2, args=("done",), max_restarts=1, start_method="fork")
     assert result == "done after 1 restart"
@@ -203,6 +205,7 @@ def test_max_restarts_runs_the_function_again():
         spawn(_fails_once, 2, args=("done",), start_method="fork")
 
 
+@pytest.mark.procs
 def test_script_closure_forks_safely_after_the_parent_used_openmp(tmp_path):
     # GNU OpenMP deadlocks a forked child that runs a parallel region with 2+ threads after the
     # parent ran one; spawn runs the function in a fresh thread of the child, which gets a new pool.
@@ -239,6 +242,7 @@ def test_script_closure_forks_safely_after_the_parent_used_openmp(tmp_path):
     assert "start method: fork\nthreads per worker: 2\n" in out.stdout
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_notebook_defines_and_spawns_its_own_function(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
@@ -280,6 +284,7 @@ def test_notebook_defines_and_spawns_its_own_function(tmp_path, monkeypatch):
     assert f"big op: {float(torch.ones(4_000_000).exp().sum())}" in text
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_seed003_example(example_job):
     assert example_job.wait(timeout=200) == 0, (example_job.out / "stderr").read_text()[-3000:]
@@ -293,6 +298,7 @@ def test_seed003_example(example_job):
 # Frozen rank 0 used to hang the call for good (its store, which rank 1's watchdog published its
 # "left" beat to while shutting down, lives in the frozen process); a frozen rank 1 took 42 s
 # (torch's agent waited 30 s to kill a stopped process that never acts on its SIGTERM).
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("frozen", [0, 1])
 def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path, frozen):

@@ -18,8 +18,6 @@ from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, finish, run, sta
 from unison.launch import launcher as launch_mod
 from unison.launch.options import LaunchError
 
-pytestmark = pytest.mark.slow  # real processes: launches
-
 
 # ---- torchrun's options, in this process ------------------------------------------------------------
 def _both_ways(argv: list[str], monkeypatch: pytest.MonkeyPatch):
@@ -114,6 +112,7 @@ def test_pet_variables_and_a_port_zero_endpoint_as_torchrun_reads_them(monkeypat
 
 
 # ---- real launches -------------------------------------------------------------------------------------
+@pytest.mark.launch
 def test_every_rank_shown_filter_redirect_and_absolute_file(tmp_path: Path) -> None:
     """Relative script path: __file__ absolute (as python gives it); torchrun's
     --local-ranks-filter and --redirects choose what the console shows; nothing is dropped."""
@@ -139,6 +138,7 @@ def test_every_rank_shown_filter_redirect_and_absolute_file(tmp_path: Path) -> N
     assert tagged((logs / "attempt_0" / "rank0.stdout.log").read_text(), "PROBE")
 
 
+@pytest.mark.launch
 def test_ctrl_c_traceback_carries_one_prefix(tmp_path: Path) -> None:
     rc, _, err, secs = run([*LAUNCH, "--nproc", "2", str(SCRIPTS / "fail.py"), "interrupt", str(tmp_path)])
     assert rc == 130, err  # 128 + SIGINT: the rank died of the interrupt, as python does
@@ -148,6 +148,7 @@ def test_ctrl_c_traceback_carries_one_prefix(tmp_path: Path) -> None:
     assert secs < 60
 
 
+@pytest.mark.launch
 def test_no_python_runs_a_program_on_every_rank(tmp_path: Path) -> None:
     program = tmp_path / "job.sh"
     program.write_text('#!/bin/sh\necho "program rank $RANK of $WORLD_SIZE args $*"\n')
@@ -195,6 +196,7 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
     raise AssertionError("unreachable")
 
 
+@pytest.mark.launch
 def test_torchrun_tutorial_script_runs_as_under_torchrun(tmp_path: Path) -> None:
     """pytorch/examples' multigpu_torchrun.py shape (CPU edits only), with its README's command."""
     script = str(ROOT / "examples" / "ddp_tutorial" / "multigpu_torchrun.py")
@@ -218,6 +220,7 @@ def test_torchrun_tutorial_script_runs_as_under_torchrun(tmp_path: Path) -> None
     assert "Epoch 3 |" in out and "Epoch 2 |" not in out
 
 
+@pytest.mark.launch
 def test_fastai_style_module_with_standalone_equals_one_process(tmp_path: Path) -> None:
     """A fastai-style script started as a module (-m), --standalone: 2 x 32 equals 1 x 64."""
     env = {"OMP_NUM_THREADS": "1"}

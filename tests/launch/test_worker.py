@@ -58,6 +58,7 @@ def run_worker(tmp_path: Path, how: str) -> subprocess.CompletedProcess[str]:
         ("error", 1, "ValueError: broken on purpose"),
     ],
 )
+@pytest.mark.procs
 def test_the_end_of_a_script_is_pythons(tmp_path: Path, how: str, status: int, stderr_has: str) -> None:
     proc = run_worker(tmp_path, how)
     assert proc.returncode == status, proc.stderr
@@ -68,6 +69,7 @@ def test_the_end_of_a_script_is_pythons(tmp_path: Path, how: str, status: int, s
     assert (tmp_path / "out.txt.thread").read_text() == "the thread finished\n"
 
 
+@pytest.mark.procs
 def test_the_bootstrap_leaves_torchs_state_to_the_script(tmp_path: Path) -> None:
     """A plain torch script inherits no FSDP/DTensor/checkpoint imports from its launcher.
 
@@ -112,6 +114,7 @@ atexit.register(lambda: print("atexit: threads left", [t.name for t in threading
 """
 
 
+@pytest.mark.procs
 def test_threading_exit_hooks_run_before_the_threads_are_joined(tmp_path: Path) -> None:
     """A pool in a module global (torch.compile's inductor keeps one) no longer hangs the worker.
 
@@ -174,7 +177,7 @@ if rank_distrib() == 0:
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_compiled_model_trains_and_exits_under_launch(tmp_path: Path) -> None:
     """torch.compile (inductor, with its compile thread pool) on 2 processes: right weights, prompt exit.
 

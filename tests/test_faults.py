@@ -71,7 +71,7 @@ def test_a_frozen_rank_fails_the_job_within_timeout_plus_30s_naming_it(tmp_path,
         proc, _ = launch(
             tmp_path,
             "--timeout",
-            "5",
+            "10",  # 5 s: a healthy first collective outlasted it on a loaded machine
             nproc=nproc,
             script_args=["--freeze-rank", str(frozen), "--at", "3"],
             timeout=120,
@@ -81,7 +81,7 @@ def test_a_frozen_rank_fails_the_job_within_timeout_plus_30s_naming_it(tmp_path,
         assert f"rank {frozen} stopped taking part" in proc.stderr, proc.stderr[-3000:]
         assert "frozen" in proc.stderr
         frozen_for = ended - float((tmp_path / "frozen_at").read_text())
-        assert frozen_for < 5 + 30, frozen_for  # from the freeze, not from the start (imports under load)
+        assert frozen_for < 10 + 30, frozen_for  # from the freeze, not from the start (imports under load)
         assert leftover_workers(str(tmp_path)) == []
     finally:
         leftover_workers(str(tmp_path), kill=True)

@@ -175,7 +175,7 @@ def test_a_failing_rank_is_named_promptly_and_no_worker_is_left(start_method, ex
     with pytest.raises(SpawnError) as info:
         spawn(_fails_on_rank1, 2, start_method=start_method)
     err = info.value
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 60  # no hang: start-up and the agent's 10 s grace, on a loaded machine
     assert (err.rank, err.exitcode) == (1, 1)
     assert str(err).startswith("rank 1 failed (exit code 1): ValueError: bad batch")
     assert "in _fails_on_rank1" in str(err) and 'raise ValueError("bad batch")' in err.traceback
@@ -194,7 +194,7 @@ def test_a_killed_rank_is_named():
     start = time.monotonic()
     with pytest.raises(SpawnError, match=r"rank 1 failed \(exit code -9\): killed by signal SIGKILL"):
         spawn(die_on_rank1, 2)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 60  # no hang: start-up and the agent's 10 s grace, on a loaded machine
 
 
 @pytest.mark.procs
@@ -304,7 +304,7 @@ def test_seed003_example(example_job):
 def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path, frozen):
     script = ROOT / "tests" / "fault_scripts" / "spawn_freeze.py"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), str(frozen), "5"],
+        [sys.executable, str(script), str(tmp_path), str(frozen), "10"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -321,4 +321,5 @@ def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path
     frozen_for = ended - float((tmp_path / "frozen_at").read_text())
     assert proc.returncode == 3, out[-3000:]
     assert f"rank {frozen} stopped taking part" in out, out[-3000:]
-    assert frozen_for < 5 + 30, (frozen_for, out[-3000:])
+    assert frozen_for < 10 + 30, (frozen_for, out[-3000:])  # (a loaded machine: not 5 s, which
+    # a healthy first collective can outlast there)

@@ -41,8 +41,10 @@ def test_torchrun_command_lines_mean_what_they_mean_to_torchrun(monkeypatch, tmp
     multinode = ["--nproc_per_node=2", "--nnodes=2", "--node_rank=0", "--rdzv_id=456"]
     multinode += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:29603", script, "50", "10"]
     plan, theirs, _ = _both_ways(multinode, monkeypatch)
-    for name in ("rdzv_backend", "rdzv_endpoint", "run_id", "min_nodes", "max_nodes", "nproc_per_node"):
+    for name in ("rdzv_endpoint", "run_id", "min_nodes", "max_nodes", "nproc_per_node"):
         assert getattr(plan.config, name) == getattr(theirs, name), name
+    # torchrun's c10d rendezvous, each of its agent's store calls bounded by read_timeout (a cut link)
+    assert (theirs.rdzv_backend, plan.config.rdzv_backend) == ("c10d", "unison-c10d")
     opts = launch_mod.parse_options(multinode)
     assert opts.mode == "elastic" and any("--node-rank is ignored" in n for n in opts.torchrun.notes)
     # every agent option torchrun passes through, and the worker counts auto / cpu

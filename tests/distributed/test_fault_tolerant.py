@@ -198,6 +198,8 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
 ):
     die_at = random.randint(4, 16)  # a random global step (of 64 or 92); printed on failure
     args = ["--epochs", "4", "--step-time", "0.1", "--min-replicas", "2", "--timeout", "20", *data]
+    # All three from step 0: on a loaded machine the third used to start late and heal (8 steps in).
+    args += ["--start-replicas", "3"]
     plain_run(tmp_path, 4, *data)
     lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}

@@ -11,6 +11,7 @@ where `ray` cannot be imported (`pip install 'unison[ray]'`).
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import os
 import signal
@@ -45,7 +46,10 @@ def local_ray() -> Iterator[None]:
     # The workers find unison where this process does (they inherit its environment).
     # ray.init installs a SIGTERM handler (sys.exit) that ray.shutdown leaves: the next test in this
     # process (under pytest-xdist, any module's) would chain to it; put the test session's back.
+    # Ray Train also replaces builtins.print with a redirecting one, which then cannot be pickled
+    # by name (a later test's torch.save of `print` failed): put the real one back too.
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    real_print = builtins.print
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
@@ -53,6 +57,7 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        builtins.print = real_print
 
 
 def one_process(epochs: int = 2, bs: int = 16, lr: float = 0.1) -> torch.Tensor:

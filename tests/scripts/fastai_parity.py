@@ -101,18 +101,21 @@ if not args.float32:
 if args.plain:
     learn.fit_one_cycle(args.epochs, 1e-2)
     values = [[float(v) for v in row] for row in learn.recorder.values]
+    final = [float(v) for v in learn.validate()]
     preds, targs = learn.get_preds()
 else:
     resume = {"checkpoint_every": args.every, "resume": True} if args.every else {}
     with distrib_ctx(learn, timeout=20, sync_bn=not args.no_sync_bn, **resume):
         learn.fit_one_cycle(args.epochs, 1e-2)
         values = [[float(v) for v in row] for row in learn.recorder.values]
+        final = [float(v) for v in learn.validate()]  # (a resumed run's recorder holds only its epochs)
         preds, targs = learn.get_preds()
 if rank_distrib() == 0:
     torch.save(
         {
             "weights": {k: v.detach().clone() for k, v in learn.model.state_dict().items()},
             "values": values,  # per epoch: train_loss, valid_loss, accuracy
+            "final": final,  # validate() on the final weights: valid_loss, accuracy
             "losses": steps.losses,
             "preds": preds.detach().clone(),
             "targs": targs.detach().clone(),

@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from plan_epoch import Indices, _rss_mb  # the same free dataset and RSS reading (benchmarks/ is on the path)
 
 # Bytes per item measured at 10^7 items, W=2 (rank 0): what decides which sizes fit.
 BYTES_PER_ITEM = {"torch": 48.0, "unison": 17.0, "scalable": 0.0}
@@ -32,23 +33,6 @@ LABELS = {
     "unison": 'unison DistributedDL, order="torch" (tensor plan)',
     "scalable": 'unison DistributedDL, order="scalable"',
 }
-
-
-class Indices:
-    """A map-style dataset of `n` items that costs nothing to hold: item `i` is `i`."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _child(kind: str, items: int, world: int, bs: int, walk: int) -> dict[str, float]:

@@ -130,8 +130,8 @@ def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_t
     assert learn.cbs == []  # detached on the way out
 
 
-def replica(out, *args, env):
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+def replica(out, *args, env, script=SCRIPT):
+    cmd = [sys.executable, str(script), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = f"{out}.log"

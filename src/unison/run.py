@@ -65,9 +65,10 @@ class Run:
     """Your own loop on 1 or W processes, W processes equal to one at the same global batch.
 
     Options are `distrib_ctx`'s (`shard`, `fault_tolerant`: True or `FaultTolerantTrainer`'s options,
-    `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`, DDP's or FSDP2's keyword arguments) and: `accumulate` (optimizer steps every k batches, the
-    gradient that of the k batches together), `path`/`model_dir` (where checkpoints go),
-    `on_nonfinite` ("stop" or "skip"), `on_preempt` ("stop", "requeue" or None).
+    `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`, DDP's or FSDP2's keyword arguments)
+    and: `accumulate` (optimizer steps every k batches, the gradient that of the k batches together),
+    `path`/`model_dir` (where checkpoints go), `on_nonfinite` ("stop" or "skip"), `on_preempt`
+    ("stop", "requeue" or None).
     `run.recorder` holds each epoch's exact training (and validation) loss.
 
     >>> with unison.Run() as run:                       # doctest: +SKIP

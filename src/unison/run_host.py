@@ -55,7 +55,7 @@ class RunHost:
         self.n_inp = 1
         self.recorder = Recorder(print_table=False)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
-        self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (no loss function here)
+        self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
 
     @property
     def device(self) -> torch.device:

@@ -16,7 +16,7 @@ from unison import Run, set_seed
 
 torchft = pytest.importorskip("torchft")
 
-from tests.distributed.test_fault_tolerant import finish, replica, stop_all  # noqa: E402
+from tests.distributed.test_fault_tolerant import finish, replica, stop_all, went_past  # noqa: E402
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_own_loop.py"
@@ -89,7 +89,7 @@ def test_two_replicas_train_to_the_plain_loops_weights(tmp_path, learner, loss, 
     check_weights(runs, plain_loop(loss, opt_kind, epochs=2), note=loss)
     for run in runs.values():  # both took part in every step, none redone
         assert run["events"]["participants"] == [2] * 22 and run["events"]["redone"] == 0
-        assert len(run["bodies"]) == 22
+        assert len(run["bodies"]) == 22 and run["redoing"] == []
 
 
 @pytest.mark.lighthouse
@@ -121,6 +121,8 @@ def test_an_own_loop_survives_a_sigkilled_replica_redoing_its_step_and_ends_on_t
         procs.append(doomed)
         log = finish(doomed, timeout=150)
         assert doomed.returncode == -9, f"die_at={die_at}: the replica was not killed\n{log[-3000:]}"
+        # The replacement starts once the survivor went on alone (else it may join the redo itself).
+        assert went_past(tmp_path / "r0.pt.step", die_at + 2, timeout=60), f"die_at={die_at}: no progress"
         procs.append(replica(replacement, "--replica", "r1", *common, env=env, script=SCRIPT))
         logs = [finish(p, timeout=200) for p in (procs[0], procs[2])]
     finally:
@@ -140,7 +142,7 @@ def test_an_own_loop_survives_a_sigkilled_replica_redoing_its_step_and_ends_on_t
     steps = [(e, s) for e in range(4) for s in range(11)]
     assert sorted(set(survivor["bodies"])) == steps
     assert survivor["bodies"].count((0, die_at)) == 2 and len(survivor["bodies"]) == 45, f"die_at={die_at}"
-    assert survivor["events"]["redone"] == 1
+    assert survivor["events"]["redone"] == 1 and survivor["redoing"] == [(0, die_at)]
     assert survivor["events"]["participants"][die_at + 1] == 1  # went on alone, then with the replacement
     assert survivor["events"]["participants"][-1] == 2
     healed = runs["r1"]["events"]["healed_at"]

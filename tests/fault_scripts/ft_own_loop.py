@@ -59,6 +59,7 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> SummedLoss:
 
 
 bodies = []  # every (epoch, step) the training step's body ran: twice for a redone step
+redoing = []  # the (epoch, step) of each pass whose commit failed (`run.redoing` after the backward)
 
 
 def between_steps(epoch: int, step: int, n_iter: int) -> None:
@@ -124,6 +125,8 @@ else:
                 loss = run.loss(total, count=count)
                 mid_step(epoch, run.batch, len(train))
                 run.backward(loss)
+                if run.redoing:  # its commit vote failed: this pass's step is skipped, the body runs again
+                    redoing.append((epoch, run.batch))
                 opt.step()
                 opt.zero_grad()
                 between_steps(epoch, run.batch, len(train))
@@ -133,6 +136,7 @@ state = {
     "weights": {k: v.detach().clone() for k, v in weights.items()},
     "events": dict(trainer.events),
     "bodies": bodies,
+    "redoing": redoing,
 }
 torch.save(state, args.out + ".tmp")
 os.replace(args.out + ".tmp", args.out)

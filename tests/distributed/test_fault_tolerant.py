@@ -243,13 +243,13 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
 
 
-def group_launch(out, name, *args, lighthouse, where=None):
+def group_launch(out, name, *args, lighthouse, where=None, script=SCRIPT):
     """One replica group: `unison launch --nproc 2 --lighthouse ADDRESS --replica-id NAME --max-restarts 1`;
     `lighthouse=None`: `--start-lighthouse` instead (on a free port, serving for the launch's life)."""
     join = ["--lighthouse", lighthouse] if lighthouse else ["--start-lighthouse", "--lighthouse-port", "0"]
     launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", *join]
     launch += ["--replica-id", name, "--max-restarts", "1"]
-    cmd = [*launch, str(SCRIPT), "--out", str(out), *args]
+    cmd = [*launch, str(script), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # `where`: a command prefix (another network namespace)
         proc = subprocess.Popen(where(cmd) if where else cmd, stdout=log, stderr=log)
     proc.log = f"{out}.log"

@@ -16,7 +16,13 @@ from unison import Run, set_seed
 
 torchft = pytest.importorskip("torchft")
 
-from tests.distributed.test_fault_tolerant import finish, replica, stop_all, went_past  # noqa: E402
+from tests.distributed.test_fault_tolerant import (  # noqa: E402
+    finish,
+    group_launch,
+    replica,
+    stop_all,
+    went_past,
+)
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_own_loop.py"
@@ -90,6 +96,26 @@ def test_two_replicas_train_to_the_plain_loops_weights(tmp_path, learner, loss, 
     for run in runs.values():  # both took part in every step, none redone
         assert run["events"]["participants"] == [2] * 22 and run["events"]["redone"] == 0
         assert len(run["bodies"]) == 22 and run["redoing"] == []
+
+
+@pytest.mark.lighthouse
+@pytest.mark.timeout(240)
+def test_an_own_loop_as_a_replica_group_of_two_processes_trains_to_the_plain_loops_weights(
+    tmp_path,
+):
+    # `unison launch --nproc 2 --start-lighthouse`: rank r takes rows r::2 of each step, the two
+    # shares' token counts differ, and the group's gloo sum carries them with the gradient.
+    args = ["--loss", "tokens", "--epochs", "2", "--start-replicas", "1"]
+    procs = []
+    try:
+        procs.append(group_launch(tmp_path / "a.pt", "a", *args, lighthouse=None, script=SCRIPT))
+        log = finish(procs[0], timeout=200)
+    finally:
+        stop_all(procs, None)
+    assert procs[0].returncode == 0, log[-4000:]
+    runs = {f"a{r}": torch.load(tmp_path / f"a.pt.rank{r}") for r in (0, 1)}
+    check_weights(runs, plain_loop("tokens", "adamw", epochs=2), note="group")
+    assert runs["a0"]["events"]["participants"] == [1] * 22
 
 
 @pytest.mark.lighthouse

@@ -3,6 +3,7 @@ by the `Learner`), for tests/distributed/test_fault_tolerant_run.py.
 
 TORCHFT_LIGHTHOUSE=http://host:port python ft_own_loop.py --out r0.pt --replica r0 [--die-at 5]
 TORCHFT_LIGHTHOUSE=http://host:port python ft_own_loop.py --out r0.pt --replica r0 --learner
+unison launch --nproc 2 --start-lighthouse --replica-id a ft_own_loop.py --out a.pt   # rank R: a.pt.rankR
 
 A small MLP scores each of a sample's 5 positions (a third of the labels ignored: the loss is counted
 over tokens, unevenly per share; `--loss rows` counts samples instead), in sequential order, global
@@ -40,7 +41,9 @@ parser.add_argument("--timeout", type=float, default=10.0)
 parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")
 parser.add_argument("--hold-for", default="", help="a file another process writes (its replacement's start)")
 args = parser.parse_args()
-with open(args.out + ".started", "w"):  # imports done (what a replacement takes longest for)
+rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+out = f"{args.out}.rank{rank}" if world > 1 else args.out  # each rank of a replica group (unison launch)
+with open(out + ".started", "w"):  # imports done (what a replacement takes longest for)
     pass
 
 
@@ -75,7 +78,7 @@ def between_steps(epoch: int, step: int, n_iter: int) -> None:
 def mid_step(epoch: int, step: int, n_iter: int) -> None:
     """Between the loss and the backward pass: sleep (so that a kill lands mid-step), maybe die."""
     bodies.append((epoch, step))
-    with open(args.out + ".step", "w") as fh:
+    with open(out + ".step", "w") as fh:
         fh.write(f"{epoch * n_iter + step}\n")
     if args.step_time:
         time.sleep(args.step_time)
@@ -138,5 +141,5 @@ state = {
     "bodies": bodies,
     "redoing": redoing,
 }
-torch.save(state, args.out + ".tmp")
-os.replace(args.out + ".tmp", args.out)
+torch.save(state, out + ".tmp")
+os.replace(out + ".tmp", out)

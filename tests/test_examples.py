@@ -61,6 +61,7 @@ def test_make_demo_trains_on_one_then_two_processes_and_they_agree(tmp_path):
     assert (tmp_path / "runs" / "demo" / "agree.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     """examples/own_loop.py (digits CNN, BatchNorm, AdamW, written on `unison.Run`): `unison check-exact`
@@ -75,6 +76,7 @@ def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     assert worst < 1e-13
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     """examples/eval_no_trainer.py on 2 processes: unison's accuracy over 1,001 items at batch 16 is the
@@ -90,6 +92,7 @@ def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     assert "unison equals one process: True" in out
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_nanogpt_on_run_reproduces_one_process_loss_curve_on_two(tmp_path):
     """examples/nanogpt/train.py at a global batch of 16: 1 process (batch 16) and 2 (batch 8) train on

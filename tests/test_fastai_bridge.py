@@ -15,6 +15,10 @@ import torch
 
 pytest.importorskip("fastai.tabular.all", reason="fastai is not installed (make install puts it in)")
 
+# pytest's default 120 s is short for fastai's launches on a loaded machine (each imports fastai and
+# pandas); every subprocess below is bounded by its own timeout as well.
+pytestmark = pytest.mark.timeout(480)
+
 from fastai.tabular.all import DataLoader, set_seed  # noqa: E402
 
 from unison.fastai import RankShardedFastaiDL  # noqa: E402
@@ -67,7 +71,7 @@ def launch2(*script_args: str, launch_args: tuple[str, ...] = (), cwd: Path | No
     return run(cmd, cwd=cwd)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("opt", ["adam", "sgd"])
 def test_two_bridged_processes_train_as_fastai_alone_on_one(tmp_path: Path, opt: str) -> None:
     """fastai alone at batch 64 vs the same script bridged on 2 processes at 32 each (float64):
@@ -95,7 +99,7 @@ def test_two_bridged_processes_train_as_fastai_alone_on_one(tmp_path: Path, opt:
     assert abs(b["values"][-1][2] - accuracy) < 1e-6
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Path) -> None:
     """Rank 1 SIGKILLed at epoch 1, step 4 under --max-restarts 1, checkpoints every 3 steps: the job
     restarts, resumes at epoch 1 step 3 (fastai's order of that epoch drawn again: its tabular loader
@@ -115,7 +119,7 @@ def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Pat
     assert abs(a["final"][0] - b["final"][0]) < TOL and a["final"][1] == b["final"][1]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weights(tmp_path: Path) -> None:
     """SIGTERM on rank 0 in epoch 1: every rank stops at one step boundary, checkpointed, exit 75;
     the same command again resumes there and ends on the weights of fastai alone, uninterrupted."""
@@ -133,7 +137,7 @@ def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weight
     assert abs(a["final"][0] - b["final"][0]) < TOL and a["final"][1] == b["final"][1]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     proc = launch2("--nan-rank", "1", "--at", "3", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
@@ -141,14 +145,14 @@ def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
     proc = launch2("--stall-rank", "1", "--at", "2", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_path: Path) -> None:
     """examples/fastai_bridge.py under `unison launch --nproc 2 --max-restarts 1 ... --every 3`: rank 1
     SIGKILLed from outside once the first checkpoint exists; the job restarts, resumes and ends on the
@@ -185,7 +189,7 @@ def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_pa
     assert diff < 1e-5, diff
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_fastai_example_passes_check_exact_on_2_processes() -> None:
     cmd = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", "3", "--float64"]
     proc = run([*cmd, str(EXAMPLE)])

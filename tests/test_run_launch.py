@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = pytest.mark.slow  # real processes: launches, kills
+pytestmark = pytest.mark.launch  # real processes: launches, kills
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "fault_scripts" / "own_loop.py"

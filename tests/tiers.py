@@ -118,11 +118,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def _requested(item: pytest.Item) -> set[str]:
-    """The fixtures a test uses: by argument, and by name through a parameter (getfixturevalue)."""
+    """The fixtures a test uses: by argument, and by name through a parameter (getfixturevalue):
+    a parameter's string that names no fixture is dropped by the callers' lookups."""
     names = set(getattr(item, "fixturenames", ()))
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
-        names |= {v for v in callspec.params.values() if isinstance(v, str) and v in FIXTURE_TIERS}
+        names |= {v for v in callspec.params.values() if isinstance(v, str) and v.isidentifier()}
     return names
 
 

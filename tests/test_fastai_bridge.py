@@ -175,17 +175,18 @@ def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.launch
 def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_path: Path) -> None:
-    """examples/fastai_bridge.py under `unison launch --nproc 2 --max-restarts 1 ... --every 3`: rank 1
-    SIGKILLed from outside once the first checkpoint exists; the job restarts, resumes and ends on the
-    weights of the same script on one process, uninterrupted (float32: within 1e-5)."""
+    """examples/fastai_bridge.py (2 epochs of its 3: enough to resume into) under `unison launch
+    --nproc 2 --max-restarts 1 ... --every 3`: rank 1 SIGKILLed from outside once the first
+    checkpoint exists; the job restarts, resumes and ends on the weights of the same script on one
+    process, uninterrupted (float32: within 1e-5)."""
     psutil = pytest.importorskip("psutil")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    plain = run([sys.executable, str(EXAMPLE), "--out", str(one)], cwd=tmp_path)
+    plain = run([sys.executable, str(EXAMPLE), "--epochs", "2", "--out", str(one)], cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "1", str(EXAMPLE)]
     job = subprocess.Popen(
-        [*cmd, "--every", "3", "--out", str(two)],
+        [*cmd, "--epochs", "2", "--every", "3", "--out", str(two)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.launch.shared_runs import once_per_session
 from tests.launch.test_launch import LAUNCH, ROOT, free_port
 from tests.launch.test_multinode import Machines, machines  # noqa: F401  (fixture)
 
@@ -115,14 +116,19 @@ def no_process_survives(tmp_path: Path) -> Iterator[None]:
                 proc.kill()
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The weights of the job run from start to end with nothing done to it (2 processes)."""
-    job = Job(tmp_path_factory.mktemp("uninterrupted"), "--timeout", "10", nproc=2)
+def _run_uninterrupted(folder: Path) -> str:
+    job = Job(folder, "--timeout", "10", nproc=2)
     job.finish()
     assert job.rc == 0, job.err[-3000:]
     (digest,) = weights(job.out)
     return digest
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The weights of the job run from start to end with nothing done to it (2 processes; run once per
+    session: test_kubernetes reads it too)."""
+    return once_per_session("uninterrupted", tmp_path_factory, _run_uninterrupted)
 
 
 # ---- the kernel's OOM killer ----------------------------------------------------------------------

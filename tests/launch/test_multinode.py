@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch.shared_runs import once_per_session
 from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, digests, finish, free_port, start, tagged
 
 pytestmark = pytest.mark.launch  # real processes: launches, spawns, kills
@@ -40,12 +41,17 @@ def assert_same_training(got: dict, expected: dict) -> None:
     assert got["valid"] == pytest.approx(expected["valid"], rel=1e-6, abs=1e-6)
 
 
-@pytest.fixture(scope="module")
-def single_machine() -> dict:
-    """The reference: the same script on one machine, `--nproc 2`."""
+def _run_single_machine(folder: Path) -> dict:
     rc, out, err, _ = finish(start([*LAUNCH, "--nproc", "2", TRAIN]))
     assert rc == 0, err
     return result(out)
+
+
+@pytest.fixture(scope="module")
+def single_machine(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference: the same script on one machine, `--nproc 2` (run once per session: test_kubernetes
+    reads it too)."""
+    return once_per_session("single_machine", tmp_path_factory, _run_single_machine)
 
 
 def test_killed_rank_restarts_and_resumes_to_the_same_weights(single_machine: dict, tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ def get_lr(it):
     )
 
 
-t0 = time.time()
+t0 = t_last = time.time()
 with run:
     for _ in run.epochs(1, resume=True):  # one pass over the run's windows
         model.train()
@@ -120,6 +120,10 @@ with run:
             run.backward(run.loss(loss, count=y.numel()))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if (run.batch + 1) % args.gradient_accumulation_steps == 0:  # an optimizer step ended
+                t1 = time.time()
+                dt, t_last = t1 - t_last, t1
+                run.print(f"iter {iter_num}: loss {loss.item() / y.numel():.4f}, time {dt * 1000:.2f}ms")
     if master_process:
         os.makedirs(args.out_dir, exist_ok=True)
         torch.save(

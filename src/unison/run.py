@@ -48,6 +48,7 @@ from unison.checkpoint import learner_files
 from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import map_tensors
 from unison.data.loader import shard_problem
+from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
 from unison.run_host import RunHost, RunLoader, RunOptimizer
@@ -251,18 +252,22 @@ class Run:
         return self
 
     # ---- where this process stands --------------------------------------------------------
+    # (Before `setup` and after `close` the launch says: a script that reads `run.is_main` first, as
+    # nanoGPT's `master_process`, must not write its files from every rank.)
     @property
     def rank(self) -> int:
-        return self.host.collective.rank
+        """This process's rank, 0 .. W-1 (before `setup` too: read from the launch)."""
+        return self.host.collective.rank if self._open else rank_distrib()
 
     @property
     def world_size(self) -> int:
-        return self.host.collective.world_size
+        """The number of processes, W (before `setup` too: read from the launch)."""
+        return self.host.collective.world_size if self._open else num_distrib()
 
     @property
     def is_main(self) -> bool:
-        """True on rank 0, the process that prints and writes."""
-        return self.host.collective.is_main
+        """True on rank 0, the process that prints and writes (before `setup` too)."""
+        return self.host.collective.is_main if self._open else rank_distrib() == 0
 
     @property
     def epoch(self) -> int:

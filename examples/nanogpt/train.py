@@ -106,6 +106,7 @@ def get_lr(it):
 
 
 t0 = t_last = time.time()
+cpu_last = time.process_time()  # (this process's CPU time: what a loaded machine leaves the least noisy)
 with run:
     for _ in run.epochs(1, resume=True):  # one pass over the run's windows
         model.train()
@@ -121,9 +122,12 @@ with run:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if (run.batch + 1) % args.gradient_accumulation_steps == 0:  # an optimizer step ended
-                t1 = time.time()
-                dt, t_last = t1 - t_last, t1
-                run.print(f"iter {iter_num}: loss {loss.item() / y.numel():.4f}, time {dt * 1000:.2f}ms")
+                t1, cpu = time.time(), time.process_time()
+                dt, dcpu, t_last, cpu_last = t1 - t_last, cpu - cpu_last, t1, cpu
+                lossf = loss.item() / y.numel()
+                run.print(
+                    f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, cpu {dcpu * 1000:.2f}ms"
+                )
     if master_process:
         os.makedirs(args.out_dir, exist_ok=True)
         torch.save(

@@ -224,8 +224,9 @@ class Run:
     def checkpoint(
         self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False
     ) -> Path:
-        """Save a resumable checkpoint every `every` optimizer steps and at each epoch's end (atomic,
-        one writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
+        """Save a resumable checkpoint every `every` training batches (at the optimizer step ending
+        them: with `accumulate=k`, `every` a multiple of k) and at each epoch's end (atomic, one
+        writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
         `run.epochs(n, resume=True)` continues from it. Returns the checkpoint's file.
 
         >>> run.checkpoint(every=100)                                           # doctest: +SKIP

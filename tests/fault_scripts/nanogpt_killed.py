@@ -1,11 +1,12 @@
-"""examples/nanogpt/train.py as it is, one of whose ranks SIGKILLs itself once, mid-run (tests/test_run_resume.py).
+"""examples/nanogpt/train.py as it is, one of whose ranks SIGKILLs itself once, mid-run (a test).
 
 unison launch --nproc 2 --max-restarts 1 nanogpt_killed.py --kill-rank 1 --kill-after 3 [train.py's arguments]
 
 The example is run unchanged (runpy); the only addition is a callback on its `unison.Run`, attached by
 a subclass standing in for `unison.Run` while the example runs: on the first attempt, rank
 `--kill-rank` SIGKILLs itself right after optimizer step `--kill-after` (counted from 1), before
-that batch's end, where a checkpoint would be written: the newest checkpoint is an earlier one.
+that batch's end, where a checkpoint would be written: the newest checkpoint is an earlier one
+(tests/test_run_resume.py).
 """
 
 import argparse

@@ -62,5 +62,7 @@ with Run(path=args.dir, shard=args.shard) as run:
             if step == args.wait_at and first_attempt:
                 Path(args.dir, "waiting").write_text(str(run.rank))
                 time.sleep(2)  # the signal comes now; the step boundary then checkpoints and stops
-if run.is_main:
+    if run.is_main:
+        torch.save(run.model.state_dict(), Path(args.dir) / "final.pt")
+if args.shard and run.is_main:  # (the sharded weights above are this rank's shards: the whole ones)
     torch.save(original.state_dict(), Path(args.dir) / "final.pt")

@@ -105,7 +105,8 @@ def get_lr(it):
     )
 
 
-t0 = time.time()
+t0 = t_last = time.time()
+cpu_last = time.process_time()  # (this process's CPU time: what a loaded machine leaves the least noisy)
 with run:
     for _ in run.epochs(1, resume=True):  # one pass over the run's windows
         model.train()
@@ -120,6 +121,13 @@ with run:
             run.backward(run.loss(loss, count=y.numel()))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if (run.batch + 1) % args.gradient_accumulation_steps == 0:  # an optimizer step ended
+                t1, cpu = time.time(), time.process_time()
+                dt, dcpu, t_last, cpu_last = t1 - t_last, cpu - cpu_last, t1, cpu
+                lossf = loss.item() / y.numel()
+                run.print(
+                    f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, cpu {dcpu * 1000:.2f}ms"
+                )
     if master_process:
         os.makedirs(args.out_dir, exist_ok=True)
         torch.save(

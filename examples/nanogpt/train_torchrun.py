@@ -88,7 +88,8 @@ def get_lr(it):
 
 
 x, y = get_batch("train")
-t0 = time.time()
+t0 = t_last = time.time()
+cpu_last = time.process_time()  # (this process's CPU time: what a loaded machine leaves the least noisy)
 for iter_num in range(args.max_iters):
     for group in optimizer.param_groups:
         group["lr"] = get_lr(iter_num)
@@ -105,8 +106,11 @@ for iter_num in range(args.max_iters):
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    t1, cpu = time.time(), time.process_time()
+    dt, dcpu, t_last, cpu_last = t1 - t_last, cpu - cpu_last, t1, cpu
     if master_process:
-        print(f"iter {iter_num}: loss {loss.item() * args.gradient_accumulation_steps:.4f}")
+        lossf = loss.item() * args.gradient_accumulation_steps
+        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, cpu {dcpu * 1000:.2f}ms")
 if master_process:
     os.makedirs(args.out_dir, exist_ok=True)
     torch.save(

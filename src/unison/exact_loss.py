@@ -58,17 +58,32 @@ class StepCount:
         self.ref = ref
         self.local = 0.0
         self.known: float | None = 0.0  # the global count, while the loader's plan tells it (rows)
+        self._summing: Callable[[], Tensor] | None = None  # the step's count, being summed over ranks
 
-    def add(self, count: float, global_count: float | None) -> float:
+    def add(
+        self,
+        count: float,
+        global_count: float | None,
+        last: bool = False,
+        collective: Collective | None = None,
+    ) -> float:
+        """Count a micro-batch's loss terms; at the step's `last` one, an unknown global count starts
+        being summed over the ranks of `collective` now, so that the sum travels during the backward
+        pass instead of after it (`benchmarks/step_count_overlap.py` measures both)."""
         self.local += count
         self.known = None if self.known is None or global_count is None else self.known + global_count
+        self._summing = None  # (a step redone after a failure counts afresh)
+        if last and self.known is None and collective is not None and collective.active:
+            self._summing = collective.start_sum(torch.tensor([self.local], dtype=torch.float64))
         return self.ref
 
     def factor(self, collective: Collective) -> float:
-        ref, total, known = self.ref, self.local, self.known
-        self.local, self.known = 0.0, 0.0
+        ref, total, known, summing = self.ref, self.local, self.known, self._summing
+        self.local, self.known, self._summing = 0.0, 0.0, None
         if known is not None:
             total = known  # every rank's rows are in the plan: no collective needed
+        elif summing is not None:
+            total = float(summing()[0])
         elif collective.active:
             total = float(collective.sum(torch.tensor([total], dtype=torch.float64))[0])
         return ref * collective.world_size / total if total > 0 else 0.0
@@ -143,7 +158,7 @@ class ExactLoss:
         if self.count_is_rows:
             dl = learn.dl
             global_rows = float(dl.global_rows(learn.iter) if is_rank_sharded(dl) else count)
-        ref = self.step.add(count, global_rows)
+        ref = self.step.add(count, global_rows, last=learn.grad_sync, collective=learn.collective)
         return mean if count == ref else total / ref
 
     def normalise_grads(self, learn: LearnerView) -> None:

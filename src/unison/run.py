@@ -54,6 +54,7 @@ from unison.checkpoint import learner_files
 from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import map_tensors
 from unison.data.loader import shard_problem
+from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
 from unison.run_host import RunHost, RunLoader, RunOptimizer
@@ -231,8 +232,9 @@ class Run:
     def checkpoint(
         self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False
     ) -> Path:
-        """Save a resumable checkpoint every `every` optimizer steps and at each epoch's end (atomic,
-        one writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
+        """Save a resumable checkpoint every `every` training batches (at the optimizer step ending
+        them: with `accumulate=k`, `every` a multiple of k) and at each epoch's end (atomic, one
+        writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
         `run.epochs(n, resume=True)` continues from it. Returns the checkpoint's file.
 
         >>> run.checkpoint(every=100)                                           # doctest: +SKIP
@@ -259,18 +261,22 @@ class Run:
         return self
 
     # ---- where this process stands --------------------------------------------------------
+    # (Before `setup` and after `close` the launch says: a script that reads `run.is_main` first, as
+    # nanoGPT's `master_process`, must not write its files from every rank.)
     @property
     def rank(self) -> int:
-        return self.host.collective.rank
+        """This process's rank, 0 .. W-1 (before `setup` too: read from the launch)."""
+        return self.host.collective.rank if self._open else rank_distrib()
 
     @property
     def world_size(self) -> int:
-        return self.host.collective.world_size
+        """The number of processes, W (before `setup` too: read from the launch)."""
+        return self.host.collective.world_size if self._open else num_distrib()
 
     @property
     def is_main(self) -> bool:
-        """True on rank 0, the process that prints and writes."""
-        return self.host.collective.is_main
+        """True on rank 0, the process that prints and writes (before `setup` too)."""
+        return self.host.collective.is_main if self._open else rank_distrib() == 0
 
     @property
     def epoch(self) -> int:

@@ -81,7 +81,11 @@ def _stop_and_resume_everywhere(path, bs, distributed):
         with ctx(resumed):
             _fit(resumed, resume=True)
         matches.append(_same(_weights(reference), _weights(resumed)))
-        valid_matches.append(resumed.recorder.values == reference.recorder.values)
+        valid_matches.append(
+            resumed.recorder.values == reference.recorder.values
+            # each batch's loss over the ranks, those resumed from the checkpoint's part of an epoch too
+            and resumed.recorder.losses == reference.recorder.losses
+        )
     return n_steps, matches, valid_matches
 
 

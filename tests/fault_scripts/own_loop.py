@@ -3,6 +3,7 @@
 unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --kill-rank 1 --at 5
 unison launch --nproc 2 own_loop.py --dir D --wait-at 5        # then SIGTERM: exit 75, checkpointed
 python own_loop.py --dir D --bs 16                               # the uninterrupted one-process run
+unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --shard --kill-rank 1 --at 5   # FSDP2, DCP
 
 Trains a BatchNorm MLP with AdamW in float64, sequential order, 2 epochs of 6 steps of a global
 batch of 16 (on W processes `--bs 16/W`), a checkpoint after every step, resumed with `resume=True`;
@@ -29,6 +30,7 @@ parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (f
 parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting, wait for SIGTERM at this step")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever at --at")
 parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
+parser.add_argument("--shard", action="store_true", help="Run(shard=True): FSDP2, DCP checkpoints")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
@@ -57,8 +59,9 @@ x = torch.randn(96, 6, generator=g, dtype=torch.float64)
 y = (x[:, 0] > 0).long()
 model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)).double()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+original = model  # (sharded, it gets the whole trained weights back when the run closes)
 
-with Run(path=args.dir) as run:
+with Run(path=args.dir, shard=args.shard) as run:
     model, opt = run.setup(model, opt)
     train = run.loader(DataLoader(TensorDataset(x, y), batch_size=args.bs))
     run.checkpoint(every=1)
@@ -81,3 +84,5 @@ with Run(path=args.dir) as run:
                 wait_for_the_signal()  # the step boundary then checkpoints and stops
     if run.is_main:
         torch.save(run.model.state_dict(), Path(args.dir) / "final.pt")
+if args.shard and run.is_main:  # (the sharded weights above are this rank's shards: the whole ones)
+    torch.save(original.state_dict(), Path(args.dir) / "final.pt")

@@ -49,6 +49,7 @@ class Recorder(Callback):
         self._batch_losses: list[torch.Tensor] = []
         self._batch_sizes: list[float] = []
         self._n_resumed = 0
+        self._resumed_means: list[float] = []  # the global losses of the batches resumed mid-epoch
         self._carry = (torch.zeros(()), torch.zeros(()))
         self._header_done = False
         self._pending_partial: dict[str, Any] | None = None
@@ -73,9 +74,10 @@ class Recorder(Callback):
         self._open.add("train")
         self._batch_losses, self._batch_sizes = [], []
         self._carry = (torch.zeros(()), torch.zeros(()))
-        self._n_resumed = 0
+        self._n_resumed, self._resumed_means = 0, []
         if self._pending_partial is not None:  # resuming mid-epoch: what this rank had so far
             partial, self._pending_partial = self._pending_partial, None
+            self._resumed_means = list(partial["means"])
             self._batch_losses = list(partial["losses"])
             self._batch_sizes = [float(n) for n in partial["sizes"].tolist()]
             self._carry = (partial["carry"][0], partial["carry"][1])
@@ -114,8 +116,8 @@ class Recorder(Callback):
 
     def _global_batch_losses(self) -> list[float]:
         """Each batch's loss over every rank: sum of loss terms / their count (one collective).
-        Batches carried over from a checkpoint keep the values this rank recorded."""
-        resumed = [float(v) for v in self._batch_losses[: self._n_resumed]]
+        Batches carried over from a checkpoint take theirs from every rank's part of it."""
+        resumed = self._resumed_means
         fresh, sizes = self._batch_losses[self._n_resumed :], self._batch_sizes[self._n_resumed :]
         collective = self.learn.collective
         if not fresh:
@@ -226,21 +228,22 @@ class Recorder(Callback):
             self._pending_partial = None
             return
         ranks = partial["ranks"]
+        means = _global_means(ranks)  # (the same on every rank, at any number of processes)
         empty = {
             "losses": torch.zeros(0),
             "sizes": torch.zeros(0, dtype=torch.float64),
             "carry": torch.zeros(2),
         }
         if len(ranks) == world_size:
-            self._pending_partial = ranks[rank]
+            self._pending_partial = {**ranks[rank], "means": means}
         elif rank == 0:
             carry = torch.zeros(2)
             for r in ranks[1:]:
                 sums = torch.stack([(r["losses"].double() * r["sizes"]).sum(), r["sizes"].sum()])
                 carry = carry + r["carry"] + sums.float()  # float32, as every other rank's carry
-            self._pending_partial = {**ranks[0], "carry": ranks[0]["carry"] + carry}
+            self._pending_partial = {**ranks[0], "carry": ranks[0]["carry"] + carry, "means": means}
         else:
-            self._pending_partial = empty
+            self._pending_partial = {**empty, "means": means}
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self.values, "times": self.times, "losses": self.losses, "lrs": self.lrs}
@@ -288,6 +291,18 @@ def _progress_class() -> type[Callback]:
     from unison.callbacks.progress import ProgressCallback
 
     return ProgressCallback
+
+
+def _global_means(ranks: list[dict[str, Any]]) -> list[float]:
+    """The loss over every rank of each batch in the ranks' partial states, as `_global_batch_losses`
+    reduces them after the batches (a resumed `recorder.losses` used to keep rank 0's own instead)."""
+    n = min(len(r["losses"]) for r in ranks)
+    if n == 0:
+        return []
+    losses = torch.stack([r["losses"][:n].double() for r in ranks])
+    counts = torch.stack([r["sizes"][:n].double() for r in ranks])
+    total, count = (losses * counts).sum(0), counts.sum(0)
+    return torch.where(count > 0, total / count.clamp(min=1), losses[0]).tolist()
 
 
 def _stack_on_last_device(losses: list[torch.Tensor]) -> torch.Tensor:

@@ -8,6 +8,7 @@ and makes exactness (reduce state, never average averages) one code path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,26 @@ class Collective:
         buf = t.detach().to(self.device, copy=True)
         dist.all_reduce(buf, group=self.group)
         return buf.to(t.device)
+
+    def start_sum(self, t: Tensor) -> Callable[[], Tensor]:
+        """Begin `sum(t)` without waiting for it (an asynchronous all-reduce); call what it returns for
+        the sum. The network time then overlaps the caller's work (a backward pass) instead of adding
+        to it; every rank must start it at the same point among its collectives, as any collective.
+
+        >>> total = collective.start_sum(torch.tensor([3.0]))   # doctest: +SKIP
+        >>> loss.backward(); total()                            # doctest: +SKIP
+        tensor([6.])
+        """
+        if not self.active:
+            return lambda: t
+        buf = t.detach().to(self.device, copy=True)
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+
+        def result() -> Tensor:
+            work.wait()
+            return buf.to(t.device)
+
+        return result
 
     def gather_ordered(self, t: Tensor, pad_value: float = 0) -> Tensor:
         """Rows of every rank's `t`, interleaved as `DistributedDL` strided them.

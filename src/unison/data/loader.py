@@ -264,7 +264,7 @@ class DistributedDL:
     def global_order(self, epoch: int) -> Sequence[Any]:
         """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size
         (a list, to inspect; planning keeps them as an int64 tensor). An order evaluated per
-        position (shuffle="scalable", or unshuffled) comes as its `PermutedOrder`, never listed.
+        position (order="scalable", or unshuffled) comes as its `PermutedOrder`, never listed.
 
         >>> DistributedDL(DataLoader(range(4), shuffle=True), 0, 2, seed=0).global_order(0)
         [1, 0, 3, 2]

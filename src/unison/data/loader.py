@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -261,11 +261,14 @@ class DistributedDL:
             raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
         self._start = int(batch_index)
 
-    def global_order(self, epoch: int) -> list[Any]:
+    def global_order(self, epoch: int) -> Sequence[Any]:
         """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size
-        (a list, to inspect; planning keeps them as an int64 tensor).
+        (a list, to inspect; planning keeps them as an int64 tensor). An order evaluated per
+        position (order="scalable", or unshuffled) comes as its `PermutedOrder`, never listed.
 
-        >>> DistributedDL(DataLoader(range(4)), 0, 2).global_order(0)
+        >>> DistributedDL(DataLoader(range(4), shuffle=True), 0, 2, seed=0).global_order(0)
+        [1, 0, 3, 2]
+        >>> list(DistributedDL(DataLoader(range(4)), 0, 2).global_order(0))
         [0, 1, 2, 3]
         """
         order = self._order_tensor(epoch)

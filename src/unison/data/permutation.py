@@ -124,25 +124,37 @@ class PermutedOrder(Sequence[int]):
     """The shuffled order of `n` items under `key`, evaluated on demand: `order[i]` is the item at
     global position `i`; `order.at(positions)` evaluates a tensor of positions at once.
 
+    `key=None` is the identity permutation (`PermutedOrder.identity(n)`): an unshuffled loader's
+    order (torch's `SequentialSampler`), planned and resumed per position by the same machinery.
+
     >>> order = PermutedOrder(10**10, key=3)          # nothing of size n is made
     >>> first = order.at(torch.arange(4))             # the first four items of the epoch
     >>> bool(((first >= 0) & (first < 10**10)).all())
     True
+    >>> PermutedOrder.identity(10**10)[-1]
+    9999999999
     """
 
-    def __init__(self, n: int, key: int) -> None:
+    def __init__(self, n: int, key: int | None) -> None:
         if n < 0:
             raise ValueError(f"PermutedOrder needs n >= 0 items, got {n}")
         if n > 1 << 62:
             raise ValueError(f"PermutedOrder handles up to 2**62 items, got {n}")
-        self.n, self.key = int(n), int(key)
-        self._keys = round_keys(self.key)
+        self.n, self.key = int(n), None if key is None else int(key)
+        self._keys = None if self.key is None else round_keys(self.key)
+
+    @classmethod
+    def identity(cls, n: int) -> PermutedOrder:
+        """The order `0, 1, ..., n-1` (what `SequentialSampler` yields), evaluated per position."""
+        return cls(n, key=None)
 
     def __len__(self) -> int:
         return self.n
 
     def at(self, positions: Tensor) -> Tensor:
-        """The items at `positions` (an integer tensor of values in `[0, n)`)."""
+        """The items at `positions` (an integer tensor of values in `[0, n)`), a new tensor."""
+        if self._keys is None:
+            return positions.to(torch.long, copy=True)
         return permute(positions, self.n, self._keys)
 
     @overload
@@ -161,7 +173,7 @@ class PermutedOrder(Sequence[int]):
             yield from self.at(torch.arange(start, min(start + CHUNK_ITEMS, self.n))).tolist()
 
     def __repr__(self) -> str:
-        return f"PermutedOrder(n={self.n}, key={self.key})"
+        return f"PermutedOrder(n={self.n}, {'identity' if self.key is None else f'key={self.key}'})"
 
 
 def many_orders(n: int, keys: Sequence[int]) -> Tensor:

@@ -6,7 +6,9 @@ this rank's indices (1/W of them) and the batch bounds, and the global order is 
 A batch becomes a list of ints only when the loader asks for it.
 
 The constant-memory order (`PermutedOrder`, order="scalable") is never drawn whole:
-`PositionPlan` computes this rank's positions of a batch and evaluates the order there.
+`PositionPlan` computes this rank's positions of a batch and evaluates the order there. Nor is
+an unshuffled loader's (`SequentialSampler`, whatever the `order` option): its order is
+`PermutedOrder.identity(n)`, planned the same way.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from unison.data.permutation import CHUNK_ITEMS, PermutedOrder, draw_key
 
 
-def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | None:
-    """The order `list(sampler)` gives, made as one tensor, for torch's plain samplers (else None)."""
+def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | PermutedOrder | None:
+    """The order `list(sampler)` gives for torch's plain samplers (else None): a `SequentialSampler`'s
+    as the identity `PermutedOrder` (nothing of size n is made), a `RandomSampler`'s as one tensor."""
     if type(sampler) is SequentialSampler:
-        return torch.arange(len(sampler.data_source))
+        return PermutedOrder.identity(len(sampler.data_source))
     if type(sampler) is RandomSampler and not sampler.replacement:
         n, wanted = len(sampler.data_source), sampler.num_samples
         if n == 0:
@@ -44,9 +47,12 @@ def sampler_order(
     both restored): an int64 tensor when the indices are ints, else a list. With `scalable` (a
     shuffle of every item once, see `pick_order`), the constant-memory `PermutedOrder` keyed from
     the same generator instead, as a `ScalableRandomSampler` with that generator would yield.
+    A `SequentialSampler` gives the identity `PermutedOrder` (evaluated per position).
 
-    >>> sampler_order(SequentialSampler(range(4)), seed=0, epoch=0)
-    tensor([0, 1, 2, 3])
+    >>> sampler_order(RandomSampler(range(4)), seed=0, epoch=0)
+    tensor([0, 1, 3, 2])
+    >>> sampler_order(SequentialSampler(range(10**10)), seed=0, epoch=0)
+    PermutedOrder(n=10000000000, identity)
     """
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)

@@ -41,6 +41,7 @@ parser.add_argument("--die-rank", type=int, default=0, help="which rank of a rep
 parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
 parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
+parser.add_argument("--quorum-interval", type=float, default=None, help="seconds between quorums")
 parser.add_argument("--start-replicas", type=int, default=1, help="replicas the first step waits for")
 args = parser.parse_args()
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -167,6 +168,8 @@ elif args.ddp:
 else:
     ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
     ft["start_replicas"] = args.start_replicas
+    if args.quorum_interval is not None:
+        ft["quorum_interval"] = args.quorum_interval
     with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
         trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
         learn.fit(args.epochs, resume=args.resume)

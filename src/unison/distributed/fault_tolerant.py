@@ -2,8 +2,9 @@
 
 A replica group is one `unison launch --nproc G` job (G = 1: plain python too) that trains the
 *global* plan: global step `k` is the same fixed set of items in every group (the loader's batch
-`k`, as on one process). At each step torchft's `Manager` (one per rank, group rank 0 serving the
-group's) asks the lighthouse which groups take part; with `P` participants, rank `r` of participant
+`k`, as on one process). torchft's `Manager` (one per rank, group rank 0 serving the group's) asks
+the lighthouse which groups take part at the first step, after a failed step, and then every
+`quorum_interval` seconds (the replicas agree when, see below); with `P` participants, rank `r` of participant
 `p` takes rows `p*G + r :: P*G` of step `k`, backpropagates their summed loss over the step's global
 row count, and the gradient is summed inside the group (its own gloo group), then across the
 participants (torchft's reconfigurable gloo group, per group rank): every rank ends with the
@@ -14,9 +15,19 @@ replica left. A restarted or new group heals each rank from the same rank of a l
 optimizer state, data position; no disk read) and trains on. The run ends on the weights of an
 uninterrupted one-process run, up to float noise (another summation order).
 
+Why not a quorum every step (torchft's own loop): a quorum is a barrier of all replicas at the
+lighthouse, a few round trips that cost 5-10x a small model's step (benchmarks/RESULTS.md). Between
+quorums the membership can only change by a failure, and a failure fails that step's all-reduce
+(a lost peer's sockets close, a stalled one times out): the commit vote fails, and the step is
+redone under a new quorum, as before. A replica that starts joins at the next quorum (at most
+`quorum_interval` later; keep it well under the lighthouse's join timeout, 2 s by default, or a
+newcomer may form a quorum of its own). Each replica says in the gradient all-reduce whether its
+interval is up, so every participant reads the same sum and takes the next quorum at the same step.
+
 Costs (benchmarks/RESULTS.md): each group loads the whole global batch and keeps 1/P of it; each
-step pays a quorum round-trip to the lighthouse and a commit vote. Refused in one line: BatchNorm,
-`shard=True`, gradient accumulation, losses counted by anything but rows (a token loss).
+step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip. Refused in
+one line: BatchNorm, `shard=True`, gradient accumulation, losses counted by anything but rows (a
+token loss).
 
 >>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
 ...     learn.fit(3)
@@ -100,7 +111,8 @@ class FaultTolerantTrainer(Callback):
     `lighthouse`: the lighthouse's address (default `TORCHFT_LIGHTHOUSE`); `replica_id`: this
     replica's name (default `UNISON_REPLICA_ID`, else the host and process id); `min_replicas`:
     fewer participants than this and no step commits; `start_replicas`: the first step waits
-    (up to `quorum_timeout`) until this many replicas take part; `timeout`: seconds any all-reduce, commit
+    (up to `quorum_timeout`) until this many replicas take part; `quorum_interval`: seconds between
+    quorums while nothing fails (0: one every step, torchft's way); `timeout`: seconds any all-reduce, commit
     vote or state transfer may take before the step is given up and redone; `verbose`: torchft's
     INFO lines and tracebacks too (default `UNISON_FT_VERBOSE`; see `distributed.ft_logs`).
 
@@ -122,6 +134,7 @@ class FaultTolerantTrainer(Callback):
         timeout: float = 30.0,
         quorum_timeout: float = 60.0,
         start_replicas: int = 1,
+        quorum_interval: float = 0.5,
         verbose: bool | None = None,
         advertised_host: Callable[[str | None], str] | None = None,
     ) -> None:
@@ -129,6 +142,14 @@ class FaultTolerantTrainer(Callback):
         self.replica_id = replica_id or os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
         self.start_replicas = start_replicas
+        if not quorum_interval >= 0:
+            raise ValueError(
+                "distrib_ctx(fault_tolerant=...): quorum_interval must be 0 or more seconds, "
+                f"not {quorum_interval!r}"
+            )
+        self.quorum_interval = float(quorum_interval)
+        self._last_quorum = 0.0  # time.monotonic() of this replica's latest quorum
+        self._quorum_due = True  # the participants agreed (last all-reduce) that the next step takes one
         self.verbose = verbose  # torchft's INFO lines and tracebacks (default: UNISON_FT_VERBOSE)
         # How this replica names its host to the others (the engine gives the launcher's helpers).
         self._advertised_host = advertised_host or (lambda lighthouse: socket.gethostname())
@@ -145,7 +166,7 @@ class FaultTolerantTrainer(Callback):
         self._healed_to: tuple[int, int] | None = None
         self._full: tuple[Any, Any] | None = None  # the whole global batch of the step in flight
         #: What happened, for logs and tests: steps redone, and the position this replica healed at.
-        self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": []}
+        self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": [], "quorums": 0}
 
     # ---- entering and leaving --------------------------------------------------------
     def setup(self) -> None:
@@ -303,6 +324,9 @@ class FaultTolerantTrainer(Callback):
     def _quorum(self) -> None:
         """This step's quorum (and a heal, if this replica is behind). A failure inside it (a peer
         lost while reconfiguring) is recorded by torchft: the step's commit then fails and it is redone."""
+        self._quorum_due = False
+        self._last_quorum = time.monotonic()
+        self.events["quorums"] += 1
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
         except TimeoutError as exc:
@@ -316,7 +340,7 @@ class FaultTolerantTrainer(Callback):
         if not learn.training:
             return
         self._position = (learn.epoch, learn.iter)
-        if not self._quorum_ready:
+        if not self._quorum_ready and self._quorum_due:
             self._quorum()
             self._check_not_moved()
             self._say_membership()
@@ -392,7 +416,9 @@ class FaultTolerantTrainer(Callback):
         if learn.loss is not None and grads:
             count = torch.tensor(float(learn.loss_count))
             riders = [torch.stack([learn.loss.detach().cpu() * count, count]).to(grads[0])]
-        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders])
+        # And whether this replica's quorum interval is up: any participant's says so, all read the sum.
+        due = torch.tensor([float(time.monotonic() - self._last_quorum >= self.quorum_interval)])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders, due.to(grads[0] if grads else due)])
         if self.group_size > 1:
             self._group_sum(flat)
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
@@ -401,8 +427,9 @@ class FaultTolerantTrainer(Callback):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(g).clone()
             offset += n
-        if riders and float(flat[-1]) > 0:  # (each rank of a group: the recorder's own sum keeps it)
-            learn.loss, learn.loss_count = flat[-2] / flat[-1], float(flat[-1])
+        self._quorum_due = bool(flat[-1] > 0)
+        if riders and float(flat[-2]) > 0:  # (each rank of a group: the recorder's own sum keeps it)
+            learn.loss, learn.loss_count = flat[-3] / flat[-2], float(flat[-2])
         return bool(self.manager.should_commit())
 
     def _group_sum(self, flat: torch.Tensor) -> None:

@@ -313,9 +313,11 @@ def group_launch(out, name, *args, lighthouse, where=None):
 @pytest.mark.lighthouse
 @pytest.mark.timeout(240)
 def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_group_which_heals(tmp_path):
-    die_at = random.randint(3, 12)  # a random global step (of 64); printed on failure
-    common = ["--epochs", "4", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
-    plain_run(tmp_path, 4)
+    die_at = random.randint(3, 12)  # a random global step (of 96); printed on failure
+    # 6 epochs: group a, alone after the kill, must still be training when b comes back (with a
+    # quorum every 0.5 s, not every step, a alone runs 96 steps of 0.15 s in about 15 s).
+    common = ["--epochs", "6", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
+    plain_run(tmp_path, 6)
     procs = []
     try:  # group a's launcher serves the lighthouse (--start-lighthouse); group b joins it
         procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=None))
@@ -350,7 +352,7 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
             torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
         for key in want:  # the same all-reduces: every rank of every group agrees to the bit
             assert torch.equal(run["weights"][key], runs["a0"]["weights"][key]), f"{name} {key}"
-    total = 4 * runs["a0"]["steps_per_epoch"]
+    total = 6 * runs["a0"]["steps_per_epoch"]
     for name in ("a0", "a1"):  # never restarted: trained every step, redid the one in flight
         assert runs[name]["steps"] == total, f"die_at={die_at}: {name} {runs[name]['steps']}"
         assert runs[name]["events"]["redone"] >= 1

@@ -50,6 +50,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from unison.data.batch import batch_size_of, map_tensors
 from unison.distributed.collective import Collective
 from unison.distributed.ft_logs import quiet_torchft, start_line
+from unison.distributed.ft_quorum import QuorumWitness, replica_name
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
@@ -64,40 +65,6 @@ class ReplicaBehindError(RuntimeError):
 
 class ReplicaGroupLostError(RuntimeError):
     """A process of this replica group stopped: the group ends, and its launcher restarts it."""
-
-
-class QuorumWitness:
-    """torchft's `ManagerClient`, passed through, keeping what each quorum said that the `Manager`
-    keeps to itself: which replicas take part, and which one a healing replica copies.
-
-    >>> manager._client = QuorumWitness(manager._client)   # doctest: +SKIP
-    """
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.replica_ids: list[str] = []  # the latest quorum's replicas, by name
-        self.starts: list[str] = []  # ... and by start ("<name>:<uuid>": a restart is another one)
-        self.healed_from: str | None = None  # the replica the latest heal copied
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        # torchft names a replica "<replica id>:<uuid of this start>"; the name is the user's.
-        self.starts = [str(r) for r in quorum.replica_ids]
-        names = [_name(r) for r in self.starts]
-        self.replica_ids = names
-        source = quorum.recover_src_replica_rank
-        self.healed_from = (
-            names[source] if quorum.heal and source is not None and source < len(names) else None
-        )
-        return quorum
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def _name(start: str) -> str:
-    """The replica's name in torchft's id of one of its starts (`<name>:<uuid>`)."""
-    return start.split(":")[0]
 
 
 def _rows(x: Any, part: int, parts: int) -> Any:
@@ -353,8 +320,8 @@ class FaultTolerantTrainer(Callback):
         return which left ("" if none), for a redo's line."""
         was, now = self._members, self._witness.starts
         self._members = now
-        left = [_name(r) for r in was if r not in now]
-        joined = [_name(r) for r in now if r not in was]
+        left = [replica_name(r) for r in was if r not in now]
+        joined = [replica_name(r) for r in now if r not in was]
         back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
         left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
         if joined and was:

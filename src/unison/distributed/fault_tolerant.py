@@ -17,7 +17,7 @@ uninterrupted one-process run, up to float noise (another summation order).
 
 Why not a quorum every step (torchft's own loop): a quorum is a barrier of all replicas at the
 lighthouse, a few round trips that take about as long as a small model's whole step (one every
-step: 2.64x DDP's step, one every 0.5 s: 1.18x, benchmarks/RESULTS.md). Between
+step: 1.24x DDP's step, one every 0.5 s: 0.96x, benchmarks/RESULTS.md). Between
 quorums the membership can only change by a failure, and a failure fails that step's all-reduce
 (a lost peer's sockets close, a stalled one times out): the commit vote fails, and the step is
 redone under a new quorum, as before. A replica that starts joins at the next quorum (at most

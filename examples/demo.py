@@ -4,8 +4,10 @@ two runs compared: weights, loss curve, accuracy. They agree to float rounding, 
 unison is for. Writes runs/demo/{one,two}/ and runs/demo/agree.png (both loss curves).
 
     python examples/demo.py
+    python examples/demo.py --epochs 3     # shorter (the test suite's run)
 """
 
+import argparse
 import json
 import subprocess
 import sys
@@ -46,8 +48,11 @@ def plot(one: dict, two: dict, file: Path) -> None:
 
 
 def main() -> None:
-    one = run("1 process", [sys.executable, str(SCRIPT), "--bs", "64"], OUT / "one")
-    launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--bs", "32"]
+    parser = argparse.ArgumentParser(description="train_digits.py on 1 and on 2 processes, compared.")
+    parser.add_argument("--epochs", type=int, default=8, help="epochs of each run")
+    epochs = ["--epochs", str(parser.parse_args().epochs)]
+    one = run("1 process", [sys.executable, str(SCRIPT), "--bs", "64", *epochs], OUT / "one")
+    launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--bs", "32", *epochs]
     two = run("2 processes", launch, OUT / "two")
 
     gaps = {k: float((v.float() - two["weights"][k].float()).abs().max()) for k, v in one["weights"].items()}

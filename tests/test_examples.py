@@ -12,39 +12,49 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.procs
-def test_train_digits_reaches_95_percent(tmp_path):
-    out = tmp_path / "digits"
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`make demo` (examples/demo.py) at 3 epochs of its 8 (99% accuracy already), run once: its first
+    part is examples/train_digits.py on one process as a user runs it (`--out runs/demo/one`, the
+    default batch 64), its second the same file under `unison launch --nproc 2`. Two tests read it."""
+    folder = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--out", str(out)],
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--epochs", "3"],
         capture_output=True,
         text=True,
-        timeout=120,
-        cwd=tmp_path,
+        timeout=240,
+        cwd=folder,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"^valid_accuracy (\d\.\d+)$", proc.stdout, re.MULTILINE)
-    assert found, proc.stdout
+    return proc, folder
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)  # the demo runs in the first of its two tests
+def test_train_digits_reaches_95_percent(demo: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, folder = demo
+    assert "=== 1 process: " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = proc.stdout.split("=== 1 process: ", 1)[1].split("=== 2 processes", 1)[0]
+    assert one.split("\n", 1)[0].endswith("train_digits.py --bs 64 --epochs 3"), one[:300]
+    found = re.search(r"^valid_accuracy (\d\.\d+)$", one, re.MULTILINE)
+    assert found, one + proc.stderr[-3000:]
     assert float(found.group(1)) >= 0.95
-    assert re.search(r"^valid_loss \d+\.\d+$", proc.stdout, re.MULTILINE)
+    assert re.search(r"^valid_loss \d+\.\d+$", one, re.MULTILINE)
+    out = folder / "runs" / "demo" / "one"
     png = out / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = torch.load(out / "models" / "digits.pth", weights_only=True)
     assert state["model"]["3.weight"].shape == (10, 256)
-    assert not (tmp_path / "models").exists()  # everything went under --out
+    assert not (folder / "models").exists()  # everything went under --out
 
 
 @pytest.mark.launch
-def test_make_demo_trains_on_one_then_two_processes_and_they_agree(tmp_path):
+@pytest.mark.timeout(300)
+def test_make_demo_trains_on_one_then_two_processes_and_they_agree(
+    demo: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     """`make demo`: the same file on 1 process and under `unison launch --nproc 2` (half the
     per-process batch: the same global batch), compared on weights, loss curve and accuracy."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
+    proc, tmp_path = demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "they agree" in proc.stdout
     two = proc.stdout.split("=== 2 processes", 1)[1]
@@ -61,6 +71,7 @@ def test_make_demo_trains_on_one_then_two_processes_and_they_agree(tmp_path):
     assert (tmp_path / "runs" / "demo" / "agree.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     """examples/own_loop.py (digits CNN, BatchNorm, AdamW, written on `unison.Run`): `unison check-exact`
@@ -75,6 +86,7 @@ def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     assert worst < 1e-13
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     """examples/eval_no_trainer.py on 2 processes: unison's accuracy over 1,001 items at batch 16 is the
@@ -90,6 +102,7 @@ def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     assert "unison equals one process: True" in out
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_nanogpt_on_run_reproduces_one_process_loss_curve_on_two(tmp_path):
     """examples/nanogpt/train.py at a global batch of 16: 1 process (batch 16) and 2 (batch 8) train on

@@ -15,6 +15,10 @@ import torch
 
 pytest.importorskip("fastai.tabular.all", reason="fastai is not installed (make install puts it in)")
 
+# pytest's default 120 s is short for fastai's launches on a loaded machine (each imports fastai and
+# pandas); every subprocess below is bounded by its own timeout as well.
+pytestmark = pytest.mark.timeout(480)
+
 from fastai.tabular.all import DataLoader, set_seed  # noqa: E402
 
 from unison.fastai import RankShardedFastaiDL  # noqa: E402
@@ -67,15 +71,36 @@ def launch2(*script_args: str, launch_args: tuple[str, ...] = (), cwd: Path | No
     return run(cmd, cwd=cwd)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
-def test_two_bridged_processes_train_as_fastai_alone_on_one(tmp_path: Path, opt: str) -> None:
+def fastai_alone(out: Path, *args: str) -> Path:
+    """fastai alone on one process, at the global batch (float64): the reference run, written to `out`."""
+    plain = run([sys.executable, str(SCRIPT), "--plain", *args, "--out", str(out)], cwd=out.parent)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fastai_alone_adam(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted reference of the Adam runs below, made once: three tests read it."""
+    return fastai_alone(tmp_path_factory.mktemp("fastai-alone") / "one.pt")
+
+
+@pytest.fixture(scope="module")
+def fastai_alone_sgd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fastai_alone(tmp_path_factory.mktemp("fastai-alone-sgd") / "one.pt", "--opt", "sgd")
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "opt, reference",
+    [pytest.param("adam", "fastai_alone_adam", id="adam"), pytest.param("sgd", "fastai_alone_sgd", id="sgd")],
+)
+def test_two_bridged_processes_train_as_fastai_alone_on_one(
+    tmp_path: Path, opt: str, reference: str, request: pytest.FixtureRequest
+) -> None:
     """fastai alone at batch 64 vs the same script bridged on 2 processes at 32 each (float64):
     the same weights, per-step losses, validation loss and accuracy over 201 rows (odd: one rank
     holds a padded row), and get_preds gives the 201 rows in order."""
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    plain = run([sys.executable, str(SCRIPT), "--plain", "--opt", opt, "--out", str(one)])
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    one, two = request.getfixturevalue(reference), tmp_path / "two.pt"
     bridged = launch2("--opt", opt, "--out", str(two))
     assert bridged.returncode == 0, bridged.stderr[-3000:]
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
@@ -95,14 +120,14 @@ def test_two_bridged_processes_train_as_fastai_alone_on_one(tmp_path: Path, opt:
     assert abs(b["values"][-1][2] - accuracy) < 1e-6
 
 
-@pytest.mark.slow
-def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Path) -> None:
+@pytest.mark.launch
+def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(
+    tmp_path: Path, fastai_alone_adam: Path
+) -> None:
     """Rank 1 SIGKILLed at epoch 1, step 4 under --max-restarts 1, checkpoints every 3 steps: the job
     restarts, resumes at epoch 1 step 3 (fastai's order of that epoch drawn again: its tabular loader
     shuffles with NumPy's global generator) and ends on the weights of fastai alone, uninterrupted."""
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    plain = run([sys.executable, str(SCRIPT), "--plain", "--out", str(one)], cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    one, two = fastai_alone_adam, tmp_path / "two.pt"
     args = ("--every", "3", "--kill-rank", "1", "--at", "4", "--out", str(two))
     killed = launch2(*args, launch_args=("--max-restarts", "1"), cwd=tmp_path)
     assert killed.returncode == 0, killed.stderr[-3000:]
@@ -115,13 +140,13 @@ def test_a_sigkilled_rank_resumes_mid_epoch_to_fastais_own_weights(tmp_path: Pat
     assert abs(a["final"][0] - b["final"][0]) < TOL and a["final"][1] == b["final"][1]
 
 
-@pytest.mark.slow
-def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weights(tmp_path: Path) -> None:
+@pytest.mark.launch
+def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weights(
+    tmp_path: Path, fastai_alone_adam: Path
+) -> None:
     """SIGTERM on rank 0 in epoch 1: every rank stops at one step boundary, checkpointed, exit 75;
     the same command again resumes there and ends on the weights of fastai alone, uninterrupted."""
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    plain = run([sys.executable, str(SCRIPT), "--plain", "--out", str(one)], cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    one, two = fastai_alone_adam, tmp_path / "two.pt"
     preempted = launch2("--every", "5", "--term-rank", "0", "--at", "4", "--out", str(two), cwd=tmp_path)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
     assert "preempted by SIGTERM" in preempted.stderr and not two.exists()
@@ -133,7 +158,7 @@ def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weight
     assert abs(a["final"][0] - b["final"][0]) < TOL and a["final"][1] == b["final"][1]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     proc = launch2("--nan-rank", "1", "--at", "3", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
@@ -141,26 +166,27 @@ def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
     proc = launch2("--stall-rank", "1", "--at", "2", "--out", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_path: Path) -> None:
-    """examples/fastai_bridge.py under `unison launch --nproc 2 --max-restarts 1 ... --every 3`: rank 1
-    SIGKILLed from outside once the first checkpoint exists; the job restarts, resumes and ends on the
-    weights of the same script on one process, uninterrupted (float32: within 1e-5)."""
+    """examples/fastai_bridge.py (2 epochs of its 3: enough to resume into) under `unison launch
+    --nproc 2 --max-restarts 1 ... --every 3`: rank 1 SIGKILLed from outside once the first
+    checkpoint exists; the job restarts, resumes and ends on the weights of the same script on one
+    process, uninterrupted (float32: within 1e-5)."""
     psutil = pytest.importorskip("psutil")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    plain = run([sys.executable, str(EXAMPLE), "--out", str(one)], cwd=tmp_path)
+    plain = run([sys.executable, str(EXAMPLE), "--epochs", "2", "--out", str(one)], cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "1", str(EXAMPLE)]
     job = subprocess.Popen(
-        [*cmd, "--every", "3", "--out", str(two)],
+        [*cmd, "--epochs", "2", "--every", "3", "--out", str(two)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -185,7 +211,7 @@ def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_pa
     assert diff < 1e-5, diff
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_fastai_example_passes_check_exact_on_2_processes() -> None:
     cmd = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", "3", "--float64"]
     proc = run([*cmd, str(EXAMPLE)])

@@ -67,7 +67,7 @@ def _train(code: str, folder: Path, *runner: str) -> tuple[float, float, dict]:
     return float(found.group(1)), float(found.group(2)), saved
 
 
-@pytest.mark.slow  # three real processes
+@pytest.mark.launch  # three real processes
 def test_readme_example_on_two_processes_equals_one_at_twice_the_batch(tmp_path):
     """The promise beside the example ("W processes at batch b train to the same weights as one
     process at batch W*b"), kept by the example itself: it ran 2 processes at 64 to valid loss

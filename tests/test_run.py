@@ -112,8 +112,8 @@ def test_a_loss_already_averaged_is_refused_in_one_line():
 
 
 def test_what_run_cannot_do_is_refused_before_anything_starts():
-    with pytest.raises(ValueError, match="fault_tolerant=True.*not supported"):
-        Run(fault_tolerant=True)
+    with pytest.raises(ValueError, match=r"fault_tolerant=True\) does not support accumulate=2"):
+        Run(fault_tolerant=True, accumulate=2)  # (the rest: tests/distributed/test_fault_tolerant_run.py)
     with pytest.raises(ValueError, match="accumulate must be a positive int"):
         Run(accumulate=0)
     with pytest.raises(RuntimeError, match=r"call run.setup\(model, opt\) first"):
@@ -152,6 +152,62 @@ def test_zero_grad_before_backward_keeps_accumulated_gradients():
                 opt.step()
         got = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     expected = plain_loop(ds, global_bs=4, epochs=1, bn=False, opt_kind="sgd", accumulate=3)
+    assert _max_diff(got, expected) < TOL
+
+
+class FailsCommitAt(unison.Callback):
+    """The own loop's side of a torchft redo, in one process: at the given (epoch, step)s the step's
+    commit "fails" once, as `FaultTolerantTrainer.after_backward` makes it fail (gradients dropped,
+    `redo_step` set); counts the step and batch events the loop fires."""
+
+    order = -30
+
+    def __init__(self, at):
+        self.at, self.failed, self.events = set(at), set(), {"before_step": 0, "after_batch": 0}
+
+    def after_backward(self):
+        where = (self.learn.epoch, self.learn.iter)
+        if where in self.at and where not in self.failed:
+            self.failed.add(where)
+            self.learn.opt.zero_grad(set_to_none=True)
+            self.learn.redo_step = True
+
+    def before_step(self):
+        self.events["before_step"] += 1
+
+    def after_batch(self):
+        self.events["after_batch"] += 1
+
+
+@pytest.mark.parametrize("zero_first", [False, True], ids=["step-then-zero_grad", "zero_grad-first"])
+def test_a_step_whose_commit_failed_runs_the_loop_body_again_and_is_taken_once(zero_first):
+    ds = _data(45)  # 6 steps of 8 an epoch, the last of 5
+    model = _model(False)
+    failing = FailsCommitAt([(0, 0), (0, 3), (1, 5)])
+    bodies, redoing = [], []
+    with Run() as run:
+        run.add_cb(failing)
+        model, opt = run.setup(model, _opt(model, "adamw"))
+        train = run.loader(DataLoader(ds, batch_size=8))
+        for epoch in run.epochs(2):
+            model.train()
+            for x, y in train:
+                bodies.append((epoch, run.batch, len(y)))
+                if zero_first:
+                    opt.zero_grad()
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                if run.redoing:
+                    redoing.append((epoch, run.batch))
+                opt.step()
+                if not zero_first:
+                    opt.zero_grad()
+        got = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    assert redoing == [(0, 0), (0, 3), (1, 5)]
+    # the failed steps' bodies ran twice, over the same items; every step is taken and recorded once
+    twice = [(0, 0, 8), (0, 0, 8), (0, 3, 8), (0, 3, 8), (1, 5, 5), (1, 5, 5)]
+    assert [b for b in bodies if b[:2] in failing.at] == twice
+    assert failing.events == {"before_step": 12, "after_batch": 12} and len(bodies) == 15
+    expected = plain_loop(ds, global_bs=8, epochs=2, bn=False, opt_kind="adamw")
     assert _max_diff(got, expected) < TOL
 
 

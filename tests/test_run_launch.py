@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = pytest.mark.slow  # real processes: launches, kills
+pytestmark = pytest.mark.launch  # real processes: launches, kills
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "fault_scripts" / "own_loop.py"
@@ -95,9 +95,12 @@ def test_the_uninterrupted_one_process_run_is_the_plain_loop(tmp_path: Path) -> 
     assert final_diff(tmp_path) < TOL
 
 
+@pytest.mark.timeout(200)
 def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path: Path) -> None:
-    start = time.monotonic()
-    proc = launch(tmp_path, ("--timeout", "5"), "--bs", "8", "--hang-rank", "1", "--at", "3", timeout=120)
+    # --timeout 10: a healthy first collective can outlast 5 s on a loaded machine. The bound counts
+    # from the moment rank 1 hung (the script writes it), not from the start-up.
+    proc = launch(tmp_path, ("--timeout", "10"), "--bs", "8", "--hang-rank", "1", "--at", "3", timeout=150)
+    ended = time.time()
     assert proc.returncode != 0
-    assert time.monotonic() - start < 5 + 60
+    assert ended - float((tmp_path / "hung_at").read_text()) < 10 + 60
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]

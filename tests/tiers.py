@@ -118,11 +118,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def _requested(item: pytest.Item) -> set[str]:
-    """The fixtures a test uses: by argument, and by name through a parameter (getfixturevalue)."""
+    """The fixtures a test uses: by argument, and by name through a parameter (getfixturevalue):
+    a parameter's string that names no fixture is dropped by the callers' lookups."""
     names = set(getattr(item, "fixturenames", ()))
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
-        names |= {v for v in callspec.params.values() if isinstance(v, str) and v in FIXTURE_TIERS}
+        names |= {v for v in callspec.params.values() if isinstance(v, str) and v.isidentifier()}
     return names
 
 
@@ -198,6 +199,10 @@ def _cost(item: pytest.Item, measured: dict[str, float]) -> float:
 
 
 DURATIONS_KEY = "unison/durations"  # in pytest's cache (.pytest_cache): nodeid -> seconds, last run
+# What the tests of 2 s or more took in a full `make test` (3 workers, 2 cores), committed: a fresh
+# clone (CI) has no cache, and its tiers' estimates put a 60 s launch beside a 5 s one. The cache,
+# where there is one, wins. Refresh after a full run: `python tests/tiers.py`.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
 _took: dict[str, float] = {}
 
 
@@ -246,7 +251,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The groups that take longest first (members kept together, in their written order), so that no
     # long test is left to start last while the other workers have finished.
     cache = getattr(config, "cache", None)
-    measured = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    measured = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+    measured.update(cache.get(DURATIONS_KEY, {}) if cache is not None else {})
     cost = {root: sum(_cost(i, measured) for i in group) for root, group in members.items()}
     first = {root: n for n, root in reversed(list(enumerate(groups[i.nodeid] for i in items)))}
     written = {item.nodeid: n for n, item in enumerate(items)}
@@ -300,3 +306,10 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 sys.addaudithook(_audit)  # an audit hook cannot be removed: it only records while _watching
+
+
+if __name__ == "__main__":  # tests/durations.json from the last full run's cache (run from the repository)
+    cached = Path(".pytest_cache/v") / DURATIONS_KEY
+    kept = {k: v for k, v in sorted(json.loads(cached.read_text()).items()) if v >= 2.0}
+    DURATIONS_FILE.write_text(json.dumps(kept, indent=0) + "\n")
+    print(f"{DURATIONS_FILE}: {len(kept)} tests of 2 s or more")

@@ -80,6 +80,9 @@ def init_loop_state(host: Any) -> None:
     host.pred = host.loss = host.loss_grad = None
     host.loss_count = 0.0  # the loss terms (samples, tokens) of this rank's batch
     host.lr_finder = None  # set by lr_find
+    # A step whose torchft commit vote failed is redone: by the Learner itself (it has the loss
+    # function), by the own loop's body running again (`redoes_by_loop`; `redo_step` asks for it).
+    host.redoes_by_loop = host.redo_step = False
     host.cbs = []
 
 

@@ -62,6 +62,8 @@ class LearnerView(Protocol):
     stream_resume_state: dict[str, Any] | None
     _empty_share: bool  # this rank has no rows in the current batch (its share of the last one)
     _padded_xb: tuple[Any, ...]  # the inputs before padding rows were trimmed (an empty share's forward)
+    redoes_by_loop: bool  # a failed torchft step is redone by the loop's body (the own loop), not in it
+    redo_step: bool  # set when it must be: the own loop's loader then yields the step's new share
     strategy: Any  # the parallel strategy (unison.distributed.strategy.Strategy), None outside one
 
     @property

@@ -1,7 +1,7 @@
 """`Run`: your own training loop, with the `Learner`'s guarantees, by the `Learner`'s engine.
 
-    run = unison.Run()                      # or Run(shard=True): FSDP2; reads the launch, plain on 1 process
-    model, opt = run.setup(model, opt)      # DDP / FSDP2, exact BatchNorm, this process's device
+    run = unison.Run()                      # or shard=True (FSDP2), fault_tolerant=True (torchft replicas)
+    model, opt = run.setup(model, opt)      # DDP / FSDP2 / torchft, exact BatchNorm, this process's device
     train = run.loader(train_dl)            # one global order for any W, no duplicates, resumable
     run.checkpoint(every=100)               # atomic; run.epochs(n, resume=True) continues mid-epoch
     for epoch in run.epochs(10):
@@ -22,8 +22,14 @@ Learner's own, driven here at the same events from the points of your loop: iter
 (before_batch, after_batch), `run.loss` (after_loss), `run.backward` (before/after_backward) and the
 optimizer `setup` returns (before/after_step; a no-op on accumulation micro-steps).
 
+With `fault_tolerant=True` each replica (a process, or a `unison launch --nproc G` group) trains its
+share of every global batch on torchft (`unison.distributed.fault_tolerant`, the Learner's trainer):
+a replica lost mid-step fails the step's commit vote, and the survivors' loop body runs again over
+the same items, re-split among those left (`run.redoing` is True in the failed pass, whose
+`opt.step()` is skipped); a replacement heals from a live peer and joins.
+
 Refused in one line, never silently wrong: `run.loss` without `count` (a loss averaged on each rank
-weighs ranks, not items), `fault_tolerant=True` (the Learner has it: `distrib_ctx(fault_tolerant=True)`).
+weighs ranks, not items); with `fault_tolerant=True`: `accumulate > 1`, `shard=True`, BatchNorm.
 """
 
 from __future__ import annotations
@@ -58,10 +64,11 @@ __all__ = ["Run"]
 class Run:
     """Your own loop on 1 or W processes, W processes equal to one at the same global batch.
 
-    Options are `distrib_ctx`'s (`shard`, `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`,
-    DDP's or FSDP2's keyword arguments) and: `accumulate` (optimizer steps every k batches, the
-    gradient that of the k batches together), `path`/`model_dir` (where checkpoints go),
-    `on_nonfinite` ("stop" or "skip"), `on_preempt` ("stop", "requeue" or None).
+    Options are `distrib_ctx`'s (`shard`, `fault_tolerant`: True or `FaultTolerantTrainer`'s options,
+    `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`, DDP's or FSDP2's keyword arguments)
+    and: `accumulate` (optimizer steps every k batches, the gradient that of the k batches together),
+    `path`/`model_dir` (where checkpoints go), `on_nonfinite` ("stop" or "skip"), `on_preempt`
+    ("stop", "requeue" or None).
     `run.recorder` holds each epoch's exact training (and validation) loss.
 
     >>> with unison.Run() as run:                       # doctest: +SKIP
@@ -84,15 +91,16 @@ class Run:
         on_preempt: OnPreempt | None = "stop",
         **options: Any,
     ) -> None:
-        if fault_tolerant:
-            raise ValueError(
-                "Run(fault_tolerant=True) is not supported yet (a redone step needs the loss function): "
-                "use Learner(...).distrib_ctx(fault_tolerant=True), or Run() and unison launch --max-restarts"
-            )
         if on_nonfinite == "anomaly":
             raise ValueError('Run(on_nonfinite="anomaly") is not supported (it reruns the loss): use "stop"')
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"Run: accumulate must be a positive int, got {accumulate!r}")
+        if fault_tolerant and accumulate > 1:
+            raise ValueError(
+                f"Run(fault_tolerant=True) does not support accumulate={accumulate} yet (a lost replica's "
+                "step would be redone over its last batch only): give the loader the whole global batch"
+            )
+        options["fault_tolerant"] = fault_tolerant
         config = ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **options)
         self.host = RunHost(config, accumulate, Path(path), Path(model_dir))
         defaults = default_callbacks(self.host.recorder, on_nonfinite, on_preempt)
@@ -273,6 +281,16 @@ class Run:
     def batch(self) -> int:
         """The index of the training batch in progress within its epoch (after a resume too)."""
         return self.host.iter
+
+    @property
+    def redoing(self) -> bool:
+        """True from a `run.backward` whose torchft commit vote failed (`fault_tolerant=True`: a
+        replica was lost mid-step) until the loader yields the step again: this pass's `opt.step()`
+        is skipped; skip your own per-step bookkeeping too (a scheduler's `step()`, a step counter).
+
+        >>> opt.step(); sched.step() if not run.redoing else None            # doctest: +SKIP
+        """
+        return self.host.redo_step
 
     @property
     def device(self) -> torch.device:

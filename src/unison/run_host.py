@@ -55,6 +55,7 @@ class RunHost:
         self.n_inp = 1
         self.recorder = Recorder(print_table=False)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
+        self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
 
     @property
     def device(self) -> torch.device:
@@ -170,13 +171,18 @@ class RunLoader:
                     continue
                 host.in_batch = True
                 yield host.xb[0]  # (as a callback left it: float64 under check-exact)
+                while training and host.redo_step:  # its torchft commit failed: the same items again
+                    host.redo_step = False
+                    host.pred = host.loss = host.loss_grad = None
+                    host.loss_count = 0.0
+                    yield host.xb[0]  # this rank's new share of them (no after_batch for the failed one)
                 self._end_batch(cancelled=False)
         except cancel:
             host(f"after_cancel_{phase}")
         except GeneratorExit:  # the loop broke out: leave DDP's no_sync, nothing else
             if host.strategy is not None and hasattr(host.strategy, "after_batch"):
                 host.strategy.after_batch()
-            host.grad_sync, host.in_batch = True, False
+            host.grad_sync, host.in_batch, host.redo_step = True, False, False
             raise
         if outer is not None:
             host(f"after_{phase}")
@@ -237,8 +243,10 @@ class RunOptimizer(torch.optim.Optimizer):
         if not host.training:
             self.optimizer.step()
             return
-        if not host.grad_sync:
-            return  # an accumulation micro-step: the gradients add up until the step's last batch
+        if not host.grad_sync or host.redo_step:
+            # An accumulation micro-step (the gradients add up until the step's last batch), or a
+            # step whose torchft commit failed (its gradients were dropped; the loop does it again).
+            return
         self._stepped = True  # (also when skipped: that step's gradients are done with)
         try:
             host("before_step")

@@ -195,7 +195,7 @@ def _in_a_child(imports: str, call: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.slow  # a fresh interpreter: about 5 s
+@pytest.mark.procs  # a fresh interpreter: about 5 s
 def test_on_preempt_none_leaves_the_signal_to_python(tmp_path: Path) -> None:
     """No handler is installed: SIGUSR1 ends the process as Python's default does (checked in a child)."""
     done = _in_a_child(

@@ -135,7 +135,7 @@ def check_steps(rows: list[tuple[int, dict]], losses: list[float]) -> None:
     assert all(values.get("train/lr") == pytest.approx(LR) for _, values in rows if "train/loss" in values)
 
 
-@pytest.mark.slow  # (wandb runs a service process of its own)
+@pytest.mark.procs  # (wandb runs a service process of its own)
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_both_trackers_log_config_steps_epochs_and_the_checkpoint(tmp_path, tracker_env, opt_name):
     from unison import Checkpoint, DataLoaders, Learner, MLflowLogger, WandbLogger, set_seed
@@ -181,7 +181,7 @@ def test_both_trackers_log_config_steps_epochs_and_the_checkpoint(tmp_path, trac
     assert [a.path for a in client.list_artifacts(run_id)] == ["checkpoint.pth"]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_killed_run_resumed_continues_the_same_runs_without_a_gap_or_a_repeat(tmp_path, tracker_env):
     """SIGKILL in epoch 1 (epoch 0 logged and checkpointed, epoch 1 checkpointed up to some step), then
     fit(resume=True) in a new process: one W&B run and one MLflow run, every step exactly once."""
@@ -238,7 +238,7 @@ def test_a_killed_run_resumed_continues_the_same_runs_without_a_gap_or_a_repeat(
     )
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_under_unison_launch_rank0_alone_logs_the_global_batch_losses(tmp_path, tracker_env):
     """2 processes, each with half of every global batch of 4: one W&B run and one MLflow run (rank 0
     logs), and their losses are the global batch's, the plain one-process loop's."""

@@ -130,8 +130,8 @@ def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_t
     assert learn.cbs == []  # detached on the way out
 
 
-def replica(out, *args, env):
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+def replica(out, *args, env, script=SCRIPT):
+    cmd = [sys.executable, str(script), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = f"{out}.log"
@@ -294,13 +294,13 @@ def test_a_negative_quorum_interval_is_refused_in_one_line():
         FaultTolerantTrainer(lighthouse="http://h:1", quorum_interval=-1)
 
 
-def group_launch(out, name, *args, lighthouse, where=None):
+def group_launch(out, name, *args, lighthouse, where=None, script=SCRIPT):
     """One replica group: `unison launch --nproc 2 --lighthouse ADDRESS --replica-id NAME --max-restarts 1`;
     `lighthouse=None`: `--start-lighthouse` instead (on a free port, serving for the launch's life)."""
     join = ["--lighthouse", lighthouse] if lighthouse else ["--start-lighthouse", "--lighthouse-port", "0"]
     launch = [sys.executable, "-m", "unison.launch", "--nproc", "2", *join]
     launch += ["--replica-id", name, "--max-restarts", "1"]
-    cmd = [*launch, str(SCRIPT), "--out", str(out), *args]
+    cmd = [*launch, str(script), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # `where`: a command prefix (another network namespace)
         proc = subprocess.Popen(where(cmd) if where else cmd, stdout=log, stderr=log)
     proc.log = f"{out}.log"

@@ -55,7 +55,8 @@ def values(log: str) -> dict:
     return json.loads(found.group(1))
 
 
-@pytest.mark.slow
+@pytest.mark.launch
+@pytest.mark.lighthouse
 @pytest.mark.timeout(WAIT_S + 60)
 def test_replicas_started_together_print_the_same_table_as_one_process_and_say_so_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RUST_LOG", "UNISON_FT_VERBOSE")}
@@ -109,7 +110,7 @@ def test_replicas_started_together_print_the_same_table_as_one_process_and_say_s
     assert len(took) <= 1, shown
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_launch_shares_the_cores_with_the_workers_of_other_launches_and_says_so(tmp_path):
     """A stand-in for another launch (a process whose 2 children run `-m unison.launch.worker`):
     this launch's plan divides the cores among its worker and theirs, and one line says so. (Other
@@ -193,7 +194,8 @@ def test_torchft_tracebacks_fold_to_one_line_and_its_info_lines_go_unless_verbos
     assert os.environ["RUST_LOG"] == "debug"  # the user's choice is kept
 
 
-@pytest.mark.slow
+@pytest.mark.launch
+@pytest.mark.lighthouse
 @pytest.mark.timeout(WAIT_S + 60)
 def test_a_replica_group_of_two_processes_speaks_with_one_voice(tmp_path):
     """Group rank 1 computes what rank 0 does (each rank of a group is a full learner under

@@ -50,7 +50,9 @@ def local_ray() -> Iterator[None]:
     # by name (a later test's torch.save of `print` failed): put the real one back too.
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     real_print = builtins.print
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, always. Without it ray.init joins a cluster that
+    # `ray start` (or RAY_ADDRESS) left on this machine, shared with anything else running there.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

@@ -26,11 +26,30 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
 parser.add_argument("--bs", type=int, default=8, help="per process")
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt only)")
-parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting and sleep at this step")
+parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting, wait for SIGTERM at this step")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever at --at")
 parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def wait_for_the_signal(limit_s: float = 60.0) -> None:
+    """Stay in this step until SIGTERM has reached this process (the test sends it to the launcher
+    once D/waiting exists; on a loaded machine that takes a while), then let Run's handler have it."""
+    arrived = []
+    run_handler = signal.getsignal(signal.SIGTERM)
+
+    def note(sig, frame):
+        arrived.append(sig)
+        if callable(run_handler):
+            run_handler(sig, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    deadline = time.monotonic() + limit_s
+    while not arrived and time.monotonic() < deadline:
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, run_handler)
+
 
 set_seed(0)
 g = torch.Generator().manual_seed(1)
@@ -55,9 +74,10 @@ with Run(path=args.dir) as run:
             if step == args.at and first_attempt and run.rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.at and run.rank == args.hang_rank:
+                Path(args.dir, "hung_at").write_text(repr(time.time()))  # the test's clock starts here
                 time.sleep(10_000)
             if step == args.wait_at and first_attempt:
                 Path(args.dir, "waiting").write_text(str(run.rank))
-                time.sleep(2)  # the signal comes now; the step boundary then checkpoints and stops
+                wait_for_the_signal()  # the step boundary then checkpoints and stops
     if run.is_main:
         torch.save(run.model.state_dict(), Path(args.dir) / "final.pt")

@@ -50,6 +50,8 @@ class Fault(Callback):
                     error_file.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
             if rank_distrib() == args.hang_rank:
+                with open(os.path.join(args.dir, "hung_at"), "w") as fh:  # the test's clock starts here
+                    fh.write(repr(time.time()))
                 time.sleep(10_000)
             if rank_distrib() == args.freeze_rank:  # paused, swapped out: every thread stops
                 with open(os.path.join(args.dir, "frozen_at"), "w") as fh:

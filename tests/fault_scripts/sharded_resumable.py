@@ -32,6 +32,8 @@ class Fault(Callback):
             if rank_distrib() == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank_distrib() == args.hang_rank:
+                with open(os.path.join(args.dir, "hung_at"), "w") as fh:  # the test's clock starts here
+                    fh.write(repr(time.time()))
                 time.sleep(10_000)
 
 

@@ -277,7 +277,7 @@ with learn.distrib_ctx():
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_a_bias_before_a_batchnorm_is_named_as_the_cause_of_the_difference(tmp_path: Path) -> None:
     """The README's old example in small: float32 differs (AdamW's steps on the bias's noise), float64

@@ -88,7 +88,7 @@ def moments() -> list[tuple[str, str, int, str, float, int]]:
     return [(*moment, rng.randint(1, STEPS - 4)) for moment in chosen]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(int(os.environ.get("UNISON_PREEMPT_RUNS", "3")) * 2 * WAIT_S)  # each launch is bounded
 def test_a_signal_at_random_moments_ends_75_in_the_grace_and_resumes_to_the_same_weights(
     tmp_path: Path, uninterrupted: str

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # real launches
+pytestmark = pytest.mark.launch  # real launches (and one unison.spawn)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "scripts" / "progress_bars.py")

@@ -15,6 +15,10 @@ replica left. A restarted or new group heals each rank from the same rank of a l
 optimizer state, data position; no disk read) and trains on. The run ends on the weights of an
 uninterrupted one-process run, up to float noise (another summation order).
 
+A loss counted over tokens (or anything but rows) is exact too: the shares' summed gradients and
+counts are summed together (`unison.distributed.ft_reduce`). The own loop (`Run(fault_tolerant=True)`)
+redoes a step by running its body again: the host's `redoes_by_loop`, `redo_step` then set.
+
 Why not a quorum every step (torchft's own loop): a quorum is a barrier of all replicas at the
 lighthouse, a few round trips that take about as long as a small model's whole step (one every
 step: 1.24x DDP's step, one every 0.5 s: 0.96x, benchmarks/RESULTS.md). Between
@@ -27,8 +31,7 @@ interval is up, so every participant reads the same sum and takes the next quoru
 
 Costs (benchmarks/RESULTS.md): each group loads the whole global batch and keeps 1/P of it; each
 step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip. Refused in
-one line: BatchNorm, `shard=True`, gradient accumulation, losses counted by anything but rows (a
-token loss).
+one line: BatchNorm, `shard=True`, gradient accumulation.
 
 >>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
 ...     learn.fit(3)
@@ -52,6 +55,7 @@ from unison.data.batch import batch_size_of, map_tensors
 from unison.distributed.collective import Collective
 from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.distributed.ft_quorum import QuorumWitness, replica_name
+from unison.distributed.ft_reduce import StepVector
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
@@ -357,47 +361,33 @@ class FaultTolerantTrainer(Callback):
         learn.xb, learn.yb = _rows(xb, first, stride), _rows(yb, first, stride)
         learn._empty_share = batch_size_of(learn.xb) == 0
 
-    def after_loss(self) -> None:
-        if self.learn.training and self.learn.exact_loss.count_is_rows is False:
-            raise ValueError(
-                "distrib_ctx(fault_tolerant=True) splits each step by rows: a loss counted over tokens "
-                "(SummedLoss, TokenCrossEntropy) is not supported yet; use a mean loss over samples"
-            )
-
     def after_backward(self) -> None:
-        if not self.learn.training:
+        learn = self.learn
+        if not learn.training:
+            return
+        if learn.redoes_by_loop:  # the own loop computes the loss: its body runs the step again
+            if not self._reduce_and_commit():
+                self._retake_step()
+                learn.redo_step = True  # (its optimizer step is skipped, its loader yields the share)
             return
         while not self._reduce_and_commit():
-            self._redo()
+            self._retake_step()
+            self._recompute_share()
 
     def _reduce_and_commit(self) -> bool:
         """Sum the gradient over the replica group (its own gloo group), then over the participants
         (torchft's all-reduce, per group rank); True when the step may be taken (voted by the group)."""
         from torch.distributed import ReduceOp
 
-        learn = self.learn
-        params = [p for p in learn.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        # The share's summed loss and its count ride along: summed with the gradient, they give the
-        # whole global batch's loss, the same on every replica (the recorder's train_loss).
-        riders = []
-        if learn.loss is not None and grads:
-            count = torch.tensor(float(learn.loss_count))
-            riders = [torch.stack([learn.loss.detach().cpu() * count, count]).to(grads[0])]
-        # And whether this replica's quorum interval is up: any participant's says so, all read the sum.
-        due = torch.tensor([float(time.monotonic() - self._last_quorum >= self.quorum_interval)])
-        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders, due.to(grads[0] if grads else due)])
+        step = StepVector.pack(self.learn)  # the gradients, the share's loss and count riding along
+        # And whether this replica's quorum interval is up (1 or 0): every participant reads the same sum.
+        up = float(time.monotonic() - self._last_quorum >= self.quorum_interval)
+        vector = torch.cat([step.flat, step.flat.new_full((1,), up)])
         if self.group_size > 1:
-            self._group_sum(flat)
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(g).clone()
-            offset += n
-        self._quorum_due = bool(flat[-1] > 0)
-        if riders and float(flat[-2]) > 0:  # (each rank of a group: the recorder's own sum keeps it)
-            learn.loss, learn.loss_count = flat[-3] / flat[-2], float(flat[-2])
+            self._group_sum(vector)
+        self.manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
+        step.flat, self._quorum_due = vector[:-1], bool(vector[-1] > 0)
+        step.unpack(self.learn)  # the global batch's gradient and loss
         return bool(self.manager.should_commit())
 
     def _group_sum(self, flat: torch.Tensor) -> None:
@@ -411,8 +401,9 @@ class FaultTolerantTrainer(Callback):
                 "other replicas redo the step without it"
             ) from exc
 
-    def _redo(self) -> None:
-        """The step failed somewhere (a lost peer): new quorum, same items, recomputed share."""
+    def _retake_step(self) -> None:
+        """The step failed somewhere (a lost peer): new quorum, same items, this rank's new share of
+        them in `learn.xb`/`yb`, no gradient yet."""
         learn = self.learn
         assert learn.opt is not None
         self.events["redone"] += 1
@@ -429,6 +420,10 @@ class FaultTolerantTrainer(Callback):
             f"epoch {epoch} step {step} failed with {was} replicas; redone with {now} over the same "
             f"items; {lost}"
         )
+
+    def _recompute_share(self) -> None:
+        """The Learner's redo: the new share's forward pass, loss and gradient, as the step made them."""
+        learn = self.learn
         learn.pred = learn.call_model(learn.model, learn.xb)
         total, count, mean = learn.exact_loss.terms(learn)
         learn.loss_count = count

@@ -1,0 +1,71 @@
+"""What a torchft step sums across replicas: one flat vector of every trained parameter's gradient,
+then two riders, the share's summed loss and its count (`StepVector`).
+
+Under torchft every rank computes its share of the global batch alone (its collective is inactive),
+so the exact loss (`unison.exact_loss`) divides its gradient by what it can know by itself:
+
+- a loss counted by rows (a mean loss): by the global batch's rows, from the loader's plan: the
+  shares' gradients then just add up;
+- a loss counted by anything else (`SummedLoss`, `TokenCrossEntropy`, `Run.loss(total, count=n)`):
+  by the share's own count, as the global count is known only after the sum. The gradient is made
+  the share's summed gradient again (times its count) before the sum, and divided by the global
+  count (the summed count rider) after it. An empty share (count 0) adds nothing.
+
+Either way every replica ends with the gradient of the whole global batch, and the loss of it.
+
+>>> step = StepVector.pack(learn)                                          # doctest: +SKIP
+>>> manager.allreduce(step.flat).wait(); step.unpack(learn)                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
+
+__all__ = ["StepVector"]
+
+
+@dataclass
+class StepVector:
+    """A step's gradients and riders, flat, to be summed in place across ranks and replicas."""
+
+    params: list[nn.Parameter]
+    flat: Tensor
+    riders: bool  # the last two entries are the share's summed loss and its count
+    counted: bool  # the gradients are sums, to divide by the global count once summed
+
+    @classmethod
+    def pack(cls, learn: LearnerView) -> StepVector:
+        """The vector of this rank's share of the step (see the module's docstring)."""
+        params = [p for p in learn.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        riders = []
+        if learn.loss is not None and grads:
+            count = torch.tensor(float(learn.loss_count))
+            riders = [torch.stack([learn.loss.detach().cpu() * count, count]).to(grads[0])]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders])
+        counted = bool(riders) and learn.exact_loss.count_is_rows is False
+        if counted:  # normalise_grads divided by the share's count: back to the share's sum
+            flat[:-2].mul_(float(learn.loss_count))
+        return cls(params, flat, bool(riders), counted)
+
+    def unpack(self, learn: LearnerView) -> None:
+        """Each parameter's gradient from the summed vector, and the global batch's loss and count
+        (the same on every replica: the recorder's train_loss)."""
+        flat = self.flat
+        total = float(flat[-1]) if self.riders else 0.0
+        if self.counted and total > 0:
+            flat[:-2].div_(total)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        if total > 0:  # (each rank of a group: the recorder's own sum keeps it)
+            learn.loss, learn.loss_count = flat[-2] / flat[-1], total

@@ -205,7 +205,10 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
     try:
-        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, env=env) for r in (0, 1)]
+        # The survivors wait after step die_at + 2 until the replacement has started (imports done),
+        # so that they are still training when it asks for a quorum (they take one every 0.5 s).
+        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "r2.pt.started")]
+        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, *hold, env=env) for r in (0, 1)]
         doomed_args = ["--replica", "r2", "--die-at", str(die_at), *args]
         doomed = replica(tmp_path / "r2-killed.pt", *doomed_args, env=env)
         procs.append(doomed)

@@ -205,7 +205,10 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
     try:
-        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, env=env) for r in (0, 1)]
+        # The survivors wait after step die_at + 2 until the replacement has started (imports done),
+        # so that they are still training when it asks for a quorum (they take one every 0.5 s).
+        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "r2.pt.started")]
+        procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, *hold, env=env) for r in (0, 1)]
         doomed_args = ["--replica", "r2", "--die-at", str(die_at), *args]
         doomed = replica(tmp_path / "r2-killed.pt", *doomed_args, env=env)
         procs.append(doomed)
@@ -243,6 +246,57 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     assert survivors[0]["events"]["participants"][-1] == 3  # ended with the replacement taking part
 
 
+@pytest.mark.slow
+@pytest.mark.lighthouse
+@pytest.mark.timeout(240)
+def test_between_periodic_quorums_a_replica_that_joins_is_taken_in_at_the_next_one_and_all_end_exact(
+    tmp_path,
+):
+    """A quorum every 0.5 s, not every step: a third replica started mid-run (nothing failing) waits
+    for the next quorum, heals, and takes its share; every replica ends on the one-process weights."""
+    args = ["--epochs", "4", "--step-time", "0.05", "--min-replicas", "2", "--timeout", "20"]
+    args += ["--opt", "sgd", "--quorum-interval", "0.5"]
+    plain_run(tmp_path, 4, "--opt", "sgd")
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        procs = [
+            replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", "--start-replicas", "2", *args, env=env)
+            for r in (0, 1)
+        ]
+        assert went_past(tmp_path / "r0.pt.step", 8, timeout=90), finish(procs[0], timeout=1)[-3000:]
+        procs.append(replica(tmp_path / "r2.pt", "--replica", "r2", *args, env=env))
+        logs = [finish(p, timeout=150) for p in procs]
+        for p, text in zip(procs, logs, strict=True):
+            assert p.returncode == 0, text[-3000:]
+    finally:
+        stop_all(procs, lighthouse)
+    assert "replica(s) r2 joined the quorum (3 replicas now)" in logs[0], logs[0][-3000:]
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1", "r2")}
+    for name, run in runs.items():
+        for key, value in want.items():  # float noise of another summation order only
+            torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
+    total = 4 * runs["r0"]["steps_per_epoch"]
+    first = runs["r0"]["events"]
+    assert runs["r0"]["steps"] == total and first["redone"] == 0, first
+    seen = first["participants"]
+    assert seen[:8] == [2] * 8 and seen[-1] == 3 and sorted(seen) == seen, seen  # 2, then 3 for good
+    # Fewer quorums than steps (each at least 0.5 s after the last), yet none missed the newcomer.
+    assert 2 <= first["quorums"] < total // 2, first["quorums"]
+    healed = runs["r2"]["events"]["healed_at"]
+    joined = healed[0] * runs["r0"]["steps_per_epoch"] + healed[1]
+    assert joined >= 8 and runs["r2"]["steps"] == total - joined, healed
+
+
+def test_a_negative_quorum_interval_is_refused_in_one_line():
+    from unison.distributed.fault_tolerant import FaultTolerantTrainer
+
+    with pytest.raises(ValueError, match=r"quorum_interval must be 0 or more seconds, not -1"):
+        FaultTolerantTrainer(lighthouse="http://h:1", quorum_interval=-1)
+
+
 def group_launch(out, name, *args, lighthouse, where=None, script=SCRIPT):
     """One replica group: `unison launch --nproc 2 --lighthouse ADDRESS --replica-id NAME --max-restarts 1`;
     `lighthouse=None`: `--start-lighthouse` instead (on a free port, serving for the launch's life)."""
@@ -262,9 +316,11 @@ def group_launch(out, name, *args, lighthouse, where=None, script=SCRIPT):
 @pytest.mark.lighthouse
 @pytest.mark.timeout(240)
 def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_group_which_heals(tmp_path):
-    die_at = random.randint(3, 12)  # a random global step (of 64); printed on failure
-    common = ["--epochs", "4", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
-    plain_run(tmp_path, 4)
+    die_at = random.randint(3, 12)  # a random global step (of 96); printed on failure
+    # 6 epochs: group a, alone after the kill, must still be training when b comes back (with a
+    # quorum every 0.5 s, not every step, a alone runs 96 steps of 0.15 s in about 15 s).
+    common = ["--epochs", "6", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
+    plain_run(tmp_path, 6)
     procs = []
     try:  # group a's launcher serves the lighthouse (--start-lighthouse); group b joins it
         procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=None))
@@ -299,7 +355,7 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
             torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
         for key in want:  # the same all-reduces: every rank of every group agrees to the bit
             assert torch.equal(run["weights"][key], runs["a0"]["weights"][key]), f"{name} {key}"
-    total = 4 * runs["a0"]["steps_per_epoch"]
+    total = 6 * runs["a0"]["steps_per_epoch"]
     for name in ("a0", "a1"):  # never restarted: trained every step, redid the one in flight
         assert runs[name]["steps"] == total, f"die_at={die_at}: {name} {runs[name]['steps']}"
         assert runs[name]["events"]["redone"] >= 1

@@ -41,12 +41,17 @@ parser.add_argument("--die-rank", type=int, default=0, help="which rank of a rep
 parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
 parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
+parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")
+parser.add_argument("--hold-for", default="", help="a file another process writes (its replacement's start)")
+parser.add_argument("--quorum-interval", type=float, default=None, help="seconds between quorums")
 parser.add_argument("--start-replicas", type=int, default=1, help="replicas the first step waits for")
 args = parser.parse_args()
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 out = f"{args.out}.rank{rank}" if world > 1 and not args.ddp else args.out  # each rank of a replica group
 # Under `unison launch --max-restarts`: only the first attempt dies (the restarted group heals and goes on).
 restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+with open(out + ".started", "w"):  # imports done (what a replacement takes longest for)
+    pass
 dies = rank == args.die_rank and not restarted
 if restarted:
     time.sleep(args.restart_delay)  # a machine slower to come back than the others' redo
@@ -78,8 +83,13 @@ class Pace(Callback):
         self.steps += 1
         self.times.append(time.time())  # wall clock: compared across processes
         self.n_iter = self.learn.n_iter  # training steps per epoch
+        step = self.learn.epoch * self.learn.n_iter + self.learn.iter
         with open(out + ".step", "w") as fh:
-            fh.write(f"{self.learn.epoch * self.learn.n_iter + self.learn.iter}\n")
+            fh.write(f"{step}\n")
+        if step == args.hold_at:  # a survivor goes on once its replacement started (bounded wait)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(args.hold_for) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 class UnevenBatches:
@@ -167,6 +177,8 @@ elif args.ddp:
 else:
     ft = {"replica_id": args.replica or None, "min_replicas": args.min_replicas}
     ft["start_replicas"] = args.start_replicas
+    if args.quorum_interval is not None:
+        ft["quorum_interval"] = args.quorum_interval
     with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
         trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
         learn.fit(args.epochs, resume=args.resume)

@@ -2,8 +2,9 @@
 
 A replica group is one `unison launch --nproc G` job (G = 1: plain python too) that trains the
 *global* plan: global step `k` is the same fixed set of items in every group (the loader's batch
-`k`, as on one process). At each step torchft's `Manager` (one per rank, group rank 0 serving the
-group's) asks the lighthouse which groups take part; with `P` participants, rank `r` of participant
+`k`, as on one process). torchft's `Manager` (one per rank, group rank 0 serving the group's) asks
+the lighthouse which groups take part at the first step, after a failed step, and then every
+`quorum_interval` seconds (the replicas agree when, see below); with `P` participants, rank `r` of participant
 `p` takes rows `p*G + r :: P*G` of step `k`, backpropagates their summed loss over the step's global
 row count, and the gradient is summed inside the group (its own gloo group), then across the
 participants (torchft's reconfigurable gloo group, per group rank): every rank ends with the
@@ -18,9 +19,19 @@ A loss counted over tokens (or anything but rows) is exact too: the shares' summ
 counts are summed together (`unison.distributed.ft_reduce`). The own loop (`Run(fault_tolerant=True)`)
 redoes a step by running its body again: the host's `redoes_by_loop`, `redo_step` then set.
 
+Why not a quorum every step (torchft's own loop): a quorum is a barrier of all replicas at the
+lighthouse, a few round trips that take about as long as a small model's whole step (one every
+step: 1.24x DDP's step, one every 0.5 s: 0.96x, benchmarks/RESULTS.md). Between
+quorums the membership can only change by a failure, and a failure fails that step's all-reduce
+(a lost peer's sockets close, a stalled one times out): the commit vote fails, and the step is
+redone under a new quorum, as before. A replica that starts joins at the next quorum (at most
+`quorum_interval` later; keep it well under the lighthouse's join timeout, 2 s by default, or a
+newcomer may form a quorum of its own). Each replica says in the gradient all-reduce whether its
+interval is up, so every participant reads the same sum and takes the next quorum at the same step.
+
 Costs (benchmarks/RESULTS.md): each group loads the whole global batch and keeps 1/P of it; each
-step pays a quorum round-trip to the lighthouse and a commit vote. Refused in one line: BatchNorm,
-`shard=True`, gradient accumulation.
+step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip. Refused in
+one line: BatchNorm, `shard=True`, gradient accumulation.
 
 >>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
 ...     learn.fit(3)
@@ -43,6 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from unison.data.batch import batch_size_of, map_tensors
 from unison.distributed.collective import Collective
 from unison.distributed.ft_logs import quiet_torchft, start_line
+from unison.distributed.ft_quorum import QuorumWitness, replica_name
 from unison.distributed.ft_reduce import StepVector
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
@@ -60,40 +72,6 @@ class ReplicaGroupLostError(RuntimeError):
     """A process of this replica group stopped: the group ends, and its launcher restarts it."""
 
 
-class QuorumWitness:
-    """torchft's `ManagerClient`, passed through, keeping what each quorum said that the `Manager`
-    keeps to itself: which replicas take part, and which one a healing replica copies.
-
-    >>> manager._client = QuorumWitness(manager._client)   # doctest: +SKIP
-    """
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.replica_ids: list[str] = []  # the latest quorum's replicas, by name
-        self.starts: list[str] = []  # ... and by start ("<name>:<uuid>": a restart is another one)
-        self.healed_from: str | None = None  # the replica the latest heal copied
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        # torchft names a replica "<replica id>:<uuid of this start>"; the name is the user's.
-        self.starts = [str(r) for r in quorum.replica_ids]
-        names = [_name(r) for r in self.starts]
-        self.replica_ids = names
-        source = quorum.recover_src_replica_rank
-        self.healed_from = (
-            names[source] if quorum.heal and source is not None and source < len(names) else None
-        )
-        return quorum
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def _name(start: str) -> str:
-    """The replica's name in torchft's id of one of its starts (`<name>:<uuid>`)."""
-    return start.split(":")[0]
-
-
 def _rows(x: Any, part: int, parts: int) -> Any:
     """Rows `part, part + parts, ...` of a (nested) batch; scalars and non-tensors kept."""
     return map_tensors(lambda t: t[part::parts] if t.dim() else t, x)
@@ -105,7 +83,8 @@ class FaultTolerantTrainer(Callback):
     `lighthouse`: the lighthouse's address (default `TORCHFT_LIGHTHOUSE`); `replica_id`: this
     replica's name (default `UNISON_REPLICA_ID`, else the host and process id); `min_replicas`:
     fewer participants than this and no step commits; `start_replicas`: the first step waits
-    (up to `quorum_timeout`) until this many replicas take part; `timeout`: seconds any all-reduce, commit
+    (up to `quorum_timeout`) until this many replicas take part; `quorum_interval`: seconds between
+    quorums while nothing fails (0: one every step, torchft's way); `timeout`: seconds any all-reduce, commit
     vote or state transfer may take before the step is given up and redone; `verbose`: torchft's
     INFO lines and tracebacks too (default `UNISON_FT_VERBOSE`; see `distributed.ft_logs`).
 
@@ -127,6 +106,7 @@ class FaultTolerantTrainer(Callback):
         timeout: float = 30.0,
         quorum_timeout: float = 60.0,
         start_replicas: int = 1,
+        quorum_interval: float = 0.5,
         verbose: bool | None = None,
         advertised_host: Callable[[str | None], str] | None = None,
     ) -> None:
@@ -134,6 +114,14 @@ class FaultTolerantTrainer(Callback):
         self.replica_id = replica_id or os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
         self.start_replicas = start_replicas
+        if not quorum_interval >= 0:
+            raise ValueError(
+                "distrib_ctx(fault_tolerant=...): quorum_interval must be 0 or more seconds, "
+                f"not {quorum_interval!r}"
+            )
+        self.quorum_interval = float(quorum_interval)
+        self._last_quorum = 0.0  # time.monotonic() of this replica's latest quorum
+        self._quorum_due = True  # the participants agreed (last all-reduce) that the next step takes one
         self.verbose = verbose  # torchft's INFO lines and tracebacks (default: UNISON_FT_VERBOSE)
         # How this replica names its host to the others (the engine gives the launcher's helpers).
         self._advertised_host = advertised_host or (lambda lighthouse: socket.gethostname())
@@ -150,7 +138,7 @@ class FaultTolerantTrainer(Callback):
         self._healed_to: tuple[int, int] | None = None
         self._full: tuple[Any, Any] | None = None  # the whole global batch of the step in flight
         #: What happened, for logs and tests: steps redone, and the position this replica healed at.
-        self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": []}
+        self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": [], "quorums": 0}
 
     # ---- entering and leaving --------------------------------------------------------
     def setup(self) -> None:
@@ -308,6 +296,9 @@ class FaultTolerantTrainer(Callback):
     def _quorum(self) -> None:
         """This step's quorum (and a heal, if this replica is behind). A failure inside it (a peer
         lost while reconfiguring) is recorded by torchft: the step's commit then fails and it is redone."""
+        self._quorum_due = False
+        self._last_quorum = time.monotonic()
+        self.events["quorums"] += 1
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
         except TimeoutError as exc:
@@ -321,7 +312,7 @@ class FaultTolerantTrainer(Callback):
         if not learn.training:
             return
         self._position = (learn.epoch, learn.iter)
-        if not self._quorum_ready:
+        if not self._quorum_ready and self._quorum_due:
             self._quorum()
             self._check_not_moved()
             self._say_membership()
@@ -334,8 +325,8 @@ class FaultTolerantTrainer(Callback):
         return which left ("" if none), for a redo's line."""
         was, now = self._members, self._witness.starts
         self._members = now
-        left = [_name(r) for r in was if r not in now]
-        joined = [_name(r) for r in now if r not in was]
+        left = [replica_name(r) for r in was if r not in now]
+        joined = [replica_name(r) for r in now if r not in was]
         back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
         left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
         if joined and was:
@@ -389,9 +380,13 @@ class FaultTolerantTrainer(Callback):
         from torch.distributed import ReduceOp
 
         step = StepVector.pack(self.learn)  # the gradients, the share's loss and count riding along
+        # And whether this replica's quorum interval is up (1 or 0): every participant reads the same sum.
+        up = float(time.monotonic() - self._last_quorum >= self.quorum_interval)
+        vector = torch.cat([step.flat, step.flat.new_full((1,), up)])
         if self.group_size > 1:
-            self._group_sum(step.flat)
-        self.manager.allreduce(step.flat, reduce_op=ReduceOp.SUM).wait()
+            self._group_sum(vector)
+        self.manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
+        step.flat, self._quorum_due = vector[:-1], bool(vector[-1] > 0)
         step.unpack(self.learn)  # the global batch's gradient and loss
         return bool(self.manager.should_commit())
 

@@ -142,16 +142,19 @@ class FaultTolerantTrainer(Callback):
 
     # ---- entering and leaving --------------------------------------------------------
     def setup(self) -> None:
+        # Named as the user wrote it: the own loop's `Run(...)` or the Learner's `distrib_ctx(...)`.
+        api = "Run(fault_tolerant=True)" if self.learn.redoes_by_loop else "distrib_ctx(fault_tolerant=True)"
+        plain = "Run()" if self.learn.redoes_by_loop else "distrib_ctx()"
         norms = [name for name, m in self.learn.raw_model.named_modules() if isinstance(m, _BatchNorm)]
         if norms:
             raise ValueError(
-                f"distrib_ctx(fault_tolerant=True): the model's BatchNorm ({norms[0]}) would normalise over "
-                "each replica's share of a step, not exact; use GroupNorm/LayerNorm, or distrib_ctx() "
-                "(exact BatchNorm, restarts on a fault)"
+                f"{api}: the model's BatchNorm ({norms[0]}) would normalise over each replica's share "
+                f"of a step, not exact; use GroupNorm/LayerNorm, or {plain} (exact BatchNorm, restarts "
+                "on a fault)"
             )
         if not self.lighthouse:
             raise ValueError(
-                "distrib_ctx(fault_tolerant=True) needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE="
+                f"{api} needs a torchft lighthouse: set TORCHFT_LIGHTHOUSE="
                 "http://host:port (start one with `unison lighthouse --min-replicas 2`, or "
                 "`unison launch --start-lighthouse`)"
             )

@@ -205,9 +205,9 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
     try:
-        # The survivors wait after step die_at + 2 until the replacement has started (imports done),
-        # so that they are still training when it asks for a quorum (they take one every 0.5 s).
-        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "r2.pt.started")]
+        # The survivors wait after step die_at + 2 until the replacement is about to ask for its first
+        # quorum, so that they are still training when it asks (they take one every 0.5 s).
+        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "r2.pt.asking0")]
         procs = [replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", *args, *hold, env=env) for r in (0, 1)]
         doomed_args = ["--replica", "r2", "--die-at", str(die_at), *args]
         doomed = replica(tmp_path / "r2-killed.pt", *doomed_args, env=env)
@@ -261,8 +261,13 @@ def test_between_periodic_quorums_a_replica_that_joins_is_taken_in_at_the_next_o
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
     procs = []
     try:
+        # r0 and r1 hold after step 8 until r2 is about to ask for its first quorum: on a loaded
+        # machine r2's start-up can outlast their whole run.
+        hold = ["--hold-at", "8", "--hold-for", str(tmp_path / "r2.pt.asking0")]
         procs = [
-            replica(tmp_path / f"r{r}.pt", "--replica", f"r{r}", "--start-replicas", "2", *args, env=env)
+            replica(
+                tmp_path / f"r{r}.pt", "--replica", f"r{r}", "--start-replicas", "2", *args, *hold, env=env
+            )
             for r in (0, 1)
         ]
         assert went_past(tmp_path / "r0.pt.step", 8, timeout=90), finish(procs[0], timeout=1)[-3000:]
@@ -323,7 +328,10 @@ def test_two_replica_groups_of_two_processes_a_killed_process_restarts_only_its_
     plain_run(tmp_path, 6)
     procs = []
     try:  # group a's launcher serves the lighthouse (--start-lighthouse); group b joins it
-        procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=None))
+        # Group a holds after step die_at + 2 until b's restart is about to ask for a quorum: on a
+        # loaded machine a restart can take longer than a alone takes to finish.
+        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "b.pt.rank0.asking1")]
+        procs.append(group_launch(tmp_path / "a.pt", "a", *common, *hold, lighthouse=None))
         address = served_address(procs[0], timeout=60)
         # Rank 1 of group b dies (first attempt only); its restart comes back 5 s late, after a's redo.
         doomed = ["--die-at", str(die_at), "--die-rank", "1", "--restart-delay", "5"]
@@ -387,7 +395,8 @@ def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_kil
         assert lighthouse.stdout.readline().startswith(f"{LIGHTHOUSE_ENV}=http://")
         address = f"http://{machines.addrs[0]}:{port}"  # the host name maps to 127.0.0.1 in both
         a_cmd, b_cmd = (lambda cmd, i=i: machines.cmd(i, cmd) for i in (0, 1))
-        procs.append(group_launch(tmp_path / "a.pt", "a", *common, lighthouse=address, where=a_cmd))
+        hold = ["--hold-at", str(die_at + 2), "--hold-for", str(tmp_path / "b.pt.rank0.asking1")]
+        procs.append(group_launch(tmp_path / "a.pt", "a", *common, *hold, lighthouse=address, where=a_cmd))
         doomed = ["--die-at", str(die_at), "--die-rank", "1"]
         procs.append(group_launch(tmp_path / "b.pt", "b", *common, *doomed, lighthouse=address, where=b_cmd))
         logs = [finish(p, timeout=200) for p in procs[1:]]

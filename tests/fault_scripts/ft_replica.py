@@ -42,7 +42,9 @@ parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
 parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
 parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")
-parser.add_argument("--hold-for", default="", help="a file another process writes (its replacement's start)")
+parser.add_argument(
+    "--hold-for", default="", help="a file another process writes (e.g. its replacement's .asking0)"
+)
 parser.add_argument("--quorum-interval", type=float, default=None, help="seconds between quorums")
 parser.add_argument("--start-replicas", type=int, default=1, help="replicas the first step waits for")
 args = parser.parse_args()
@@ -90,6 +92,18 @@ class Pace(Callback):
             deadline = time.monotonic() + 120
             while not os.path.exists(args.hold_for) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+class Asking(Callback):
+    """Writes `<out>.asking<restart>` just before the first quorum request (the FT trainer's own
+    before_fit runs next, at order -30): a test's survivors hold until a replacement is this far."""
+
+    order = -40
+
+    def before_fit(self):
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        with open(f"{out}.asking{restart}", "w"):
+            pass
 
 
 class UnevenBatches:
@@ -152,7 +166,7 @@ dls = DataLoaders(
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
 opt_func = torch.optim.AdamW if args.opt == "adamw" else torch.optim.SGD
 pace = Pace()
-cbs = [pace, Checkpoint(every=1)] if args.dir else [pace]
+cbs = [pace, Asking(), Checkpoint(every=1)] if args.dir else [pace, Asking()]
 learn = Learner(
     dls,
     model,

@@ -112,6 +112,17 @@ def mlflow_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+def check_mlflow_run(uri, run_id, losses, valid):
+    """The experiment holds this one MLflow run, with every step's loss and each epoch's valid loss
+    equal to the plain loop's."""
+    client = mlflow_tracking.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("unison-tests")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    history = mlflow_history(uri, run_id, "train/loss")
+    check_steps([(s, {"train/loss": v, "train/lr": LR}) for s, v in history], losses)
+    assert [v for _, v in mlflow_history(uri, run_id, "epoch/valid_loss")] == pytest.approx(valid, rel=1e-5)
+
+
 @pytest.fixture
 def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     env = {
@@ -228,14 +239,7 @@ def test_a_killed_run_resumed_continues_the_same_runs_without_a_gap_or_a_repeat(
     )
     assert len([c for c in configs if "arch" in c]) == 1  # the configuration once
 
-    client = mlflow_tracking.MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("unison-tests")
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["mlflow"]]
-    history = mlflow_history(uri, ids["mlflow"], "train/loss")
-    check_steps([(s, {"train/loss": v, "train/lr": LR}) for s, v in history], losses)
-    assert [v for _, v in mlflow_history(uri, ids["mlflow"], "epoch/valid_loss")] == pytest.approx(
-        valid, rel=1e-5
-    )
+    check_mlflow_run(uri, ids["mlflow"], losses, valid)
 
 
 @pytest.mark.launch
@@ -253,11 +257,4 @@ def test_under_unison_launch_rank0_alone_logs_the_global_batch_losses(tmp_path, 
     rows, configs, _ = wandb_run(tmp_path, ids["wandb"])
     check_steps(rows, losses)
     assert configs[0]["world_size"] == 2 and configs[0]["global_batch"] == BS
-    client = mlflow_tracking.MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("unison-tests")
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["mlflow"]]
-    history = mlflow_history(uri, ids["mlflow"], "train/loss")
-    check_steps([(s, {"train/loss": v, "train/lr": LR}) for s, v in history], losses)
-    assert [v for _, v in mlflow_history(uri, ids["mlflow"], "epoch/valid_loss")] == pytest.approx(
-        valid, rel=1e-5
-    )
+    check_mlflow_run(uri, ids["mlflow"], losses, valid)

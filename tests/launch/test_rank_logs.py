@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import sys
+import time
 from string import Template
 
 import pytest
@@ -71,7 +72,12 @@ def test_every_line_reaches_the_console_with_its_global_ranks_prefix(tmp_path):
     with open(dest.stdouts[0], "a") as rank2, open(dest.stdouts[1], "a") as rank3:
         rank2.write("epoch 0 loss 0.5\n")
         rank3.write("a line\nanother line\n")
-    tail.stop()  # reads each file to its end, then stops
+    # torch's tailer drops what lands between its last empty read and stop() (it reads to the end
+    # only if the file grew before it saw `finished`): wait for the lines, then stop it
+    deadline = time.monotonic() + 30
+    while console.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tail.stop()
     assert sorted(console.getvalue().splitlines()) == [
         "[rank2] epoch 0 loss 0.5",
         "[rank3] a line",

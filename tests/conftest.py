@@ -41,3 +41,23 @@ def bare_pool2():
     """Two ranks with launcher variables but no process group: unison must make its own."""
     with WorkerPool(2, init_group=False) as pool:
         yield pool
+
+
+# TEMP: CPU per test
+import json as _json  # noqa: E402
+import resource as _resource  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    def cpu():
+        c = _resource.getrusage(_resource.RUSAGE_CHILDREN)
+        s = _resource.getrusage(_resource.RUSAGE_SELF)
+        return c.ru_utime + c.ru_stime, s.ru_utime + s.ru_stime
+    import time as _t
+    c0, s0 = cpu()
+    w0 = _t.monotonic()
+    yield
+    c1, s1 = cpu()
+    with open(f"/tmp/cpu_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", "a") as f:
+        f.write(_json.dumps({"id": item.nodeid, "children": c1 - c0, "self": s1 - s0, "wall": _t.monotonic() - w0}) + "\n")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hangs import communicate_or_report
 from unison.cli import env_report
 from unison.cli import main as cli_main
 from unison.distributed.env import threads_per_worker
@@ -54,12 +55,7 @@ def start(
 def finish(started: tuple[subprocess.Popen, float], timeout: float = WAIT_S) -> tuple[int, str, str, float]:
     """Wait for a started command (killing it past `timeout`); return rc, stdout, stderr, seconds."""
     proc, t0 = started
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"{proc.args} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    out, err = communicate_or_report(proc, timeout)
     return proc.returncode, out, err, time.monotonic() - t0
 
 

@@ -1,0 +1,71 @@
+"""What a test shows when a command it started does not finish: every process of its tree, with its
+state and its Python stacks, then the tree killed (no worker left running behind the test).
+
+The stacks come from Python's own `faulthandler`: the suite sets `PYTHONFAULTHANDLER=1`
+(tests/conftest.py), so every Python process it starts dumps its threads' stacks to its stderr on
+SIGABRT. A launched worker's stderr reaches the launcher's (torch's tailer), which the test captures;
+so the workers are dumped first, the launcher a moment later.
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_or_report(proc, timeout=300)   # pytest.fail with the stacks past 300 s
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+#: Seconds the launcher's tailer gets to pass its workers' dumps on before it is dumped itself.
+TAIL_S = 1.5
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+def describe_tree(pid: int) -> str:
+    """One line per process under `pid`: pid, state, command line."""
+    lines = []
+    for proc in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"  {proc.pid} {proc.status()}: {' '.join(proc.cmdline())[:240]}")
+    return "\n".join(lines) or "  (no child process)"
+
+
+def dump_and_kill(proc: subprocess.Popen) -> str:
+    """Dump the stacks of `proc`'s descendants, then its own (SIGABRT), kill them all; return the tree."""
+    tree_text = describe_tree(proc.pid)
+    children = _tree(proc.pid)
+    for child in reversed(children):  # the deepest first: workers before their launcher
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signal.SIGABRT)
+    if children:
+        time.sleep(TAIL_S)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGABRT)
+    time.sleep(0.2)
+    for child in [*children, *_tree(proc.pid)]:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    proc.kill()
+    return tree_text
+
+
+def communicate_or_report(proc: subprocess.Popen, timeout: float, what: str = "") -> tuple[str, str]:
+    """`proc.communicate(timeout)`; past it, fail the test with the processes, their stacks and output."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree_text = dump_and_kill(proc)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{what or proc.args} did not finish in {timeout:g}s; its processes were:\n{tree_text}\n"
+            f"stdout (end):\n{(out or '')[-4000:]}\nstderr (end, with the stacks):\n{(err or '')[-20000:]}"
+        )

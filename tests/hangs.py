@@ -16,6 +16,8 @@ import contextlib
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import psutil
 import pytest
@@ -69,3 +71,29 @@ def communicate_or_report(proc: subprocess.Popen, timeout: float, what: str = ""
             f"{what or proc.args} did not finish in {timeout:g}s; its processes were:\n{tree_text}\n"
             f"stdout (end):\n{(out or '')[-4000:]}\nstderr (end, with the stacks):\n{(err or '')[-20000:]}"
         )
+
+
+def run_or_report(
+    args: Sequence[str], timeout: float, input: str | None = None, **popen: Any
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(args, capture_output=True, text=True, timeout=timeout, ...)`, except that past
+    `timeout` the test fails with every process's state and stacks and none is left running.
+
+    >>> proc = run_or_report([sys.executable, "-m", "unison.launch", "--nproc", "2", script], 300, cwd=tmp)
+    """
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.PIPE if input is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+    if input is not None:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = communicate_or_report(proc, 0)
+    else:
+        out, err = communicate_or_report(proc, timeout)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

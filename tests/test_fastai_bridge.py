@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(480)
 
 from fastai.tabular.all import DataLoader, set_seed  # noqa: E402
 
-from tests.hangs import communicate_or_report  # noqa: E402
+from tests.hangs import run_or_report  # noqa: E402
 from unison.fastai import RankShardedFastaiDL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +64,7 @@ def test_an_odd_validation_set_is_padded_and_the_padding_is_marked() -> None:
 
 def run(args: list[str], timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    out, err = communicate_or_report(proc, timeout)
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    return run_or_report(args, timeout, env=env, cwd=cwd)
 
 
 def launch2(*script_args: str, launch_args: tuple[str, ...] = (), cwd: Path | None = None):

@@ -67,9 +67,10 @@ def communicate_or_report(proc: subprocess.Popen, timeout: float, what: str = ""
     except subprocess.TimeoutExpired:
         tree_text = dump_and_kill(proc)
         out, err = proc.communicate()
+        shown = 4000 if err is not None else 24000  # stderr sent to stdout: the stacks are there
         pytest.fail(
             f"{what or proc.args} did not finish in {timeout:g}s; its processes were:\n{tree_text}\n"
-            f"stdout (end):\n{(out or '')[-4000:]}\nstderr (end, with the stacks):\n{(err or '')[-20000:]}"
+            f"stdout (end):\n{(out or '')[-shown:]}\nstderr (end, with the stacks):\n{(err or '')[-20000:]}"
         )
 
 

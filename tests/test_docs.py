@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hangs import run_or_report
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -86,14 +88,7 @@ def test_python_block_runs(code, reason, tmp_path):
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
     env["MPLBACKEND"] = "Agg"
-    proc = subprocess.run(
-        [sys.executable, "block.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-    )
+    proc = run_or_report([sys.executable, "block.py"], BLOCK_TIMEOUT_S, cwd=tmp_path, env=env)
     missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", proc.stderr)
     if missing and not missing.group(1).startswith("unison"):
         pytest.skip(f"needs {missing.group(1)}, not installed")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hangs import run_or_report
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,12 +20,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Completed
     part is examples/train_digits.py on one process as a user runs it (`--out runs/demo/one`, the
     default batch 64), its second the same file under `unison launch --nproc 2`. Two tests read it."""
     folder = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--epochs", "3"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=folder,
+    proc = run_or_report(
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--epochs", "3"], 240, cwd=folder
     )
     return proc, folder
 
@@ -78,7 +76,7 @@ def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     runs 3 steps on 1 process at batch 64 and on 2 at batch 32; float64 agrees to rounding."""
     cmd = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", "3", "--float64"]
     cmd += ["--batch-arg", "bs", str(ROOT / "examples" / "own_loop.py"), "--bs", "64", "--epochs", "1"]
-    proc = subprocess.run([*cmd, "--out", "out"], capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    proc = run_or_report([*cmd, "--out", "out"], 540, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compared after 3 optimizer step(s), global batch 64" in proc.stdout
     assert "verdict: exact to float noise: in float64, 2 processes agree with 1" in proc.stdout
@@ -93,7 +91,7 @@ def test_the_no_trainer_evaluation_on_1001_items_equals_one_process(tmp_path):
     one-process accuracy (the same count of correct items), the padded gather's counts 1,002 items."""
     script = ROOT / "examples" / "eval_no_trainer.py"
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    proc = run_or_report(cmd, 280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     one = re.search(r"one process: accuracy (\S+) over 1001 items", out).group(1)
@@ -109,15 +107,11 @@ def test_nanogpt_on_run_reproduces_one_process_loss_curve_on_two(tmp_path):
     the same windows, so their per-step losses over the global batch agree to float32 rounding."""
     script = str(ROOT / "examples" / "nanogpt" / "train.py")
     common = ["--max_iters", "4", "--eval_interval", "2", "--eval_iters", "2"]
-    one = subprocess.run(
-        [sys.executable, script, "--batch_size", "16", "--out_dir", "one", *common],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=tmp_path,
+    one = run_or_report(
+        [sys.executable, script, "--batch_size", "16", "--out_dir", "one", *common], 280, cwd=tmp_path
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(
+    two = run_or_report(
         [
             sys.executable,
             "-m",
@@ -131,9 +125,7 @@ def test_nanogpt_on_run_reproduces_one_process_loss_curve_on_two(tmp_path):
             "two",
             *common,
         ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+        280,
         cwd=tmp_path,
     )
     assert two.returncode == 0, two.stderr[-3000:]

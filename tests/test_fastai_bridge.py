@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(480)
 
 from fastai.tabular.all import DataLoader, set_seed  # noqa: E402
 
-from tests.hangs import run_or_report  # noqa: E402
+from tests.hangs import communicate_or_report, run_or_report  # noqa: E402
 from unison.fastai import RankShardedFastaiDL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,7 +204,7 @@ def test_the_fastai_example_killed_mid_run_resumes_to_one_process_weights(tmp_pa
                         proc.kill()
                         killed = True
         time.sleep(0.05)
-    _, stderr = job.communicate(timeout=300)
+    _, stderr = communicate_or_report(job, 300)
     assert killed and job.returncode == 0, stderr[-3000:]
     assert "restarting the workers" in stderr
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_scripts import disks
+from tests.hangs import run_or_report
 
 pytestmark = pytest.mark.launch  # real processes: launches, spawns, kills
 
@@ -31,7 +32,7 @@ def launch(tmp_path, *launch_args, script_args=(), timeout=120, nproc=2):
         *script_args,
     ]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = run_or_report(cmd, timeout)
     return proc, time.monotonic() - start
 
 
@@ -95,7 +96,7 @@ def test_a_single_machine_job_listens_on_loopback_only(tmp_path):
         pytest.skip("needs ss (iproute2) to list listening sockets")
     script = Path(__file__).parent / "fault_scripts" / "listeners.py"
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--all-ranks-stdout", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = run_or_report(cmd, 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     addresses = [line.split()[-1] for line in proc.stdout.splitlines() if "LISTEN rank" in line]
     assert addresses  # the store and gloo's sockets at least
@@ -175,7 +176,7 @@ def test_a_program_leaving_a_torn_error_file_is_named(tmp_path):
     )
     program.chmod(0o700)
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.run([*cmd, "--no-python", str(program)], capture_output=True, text=True, timeout=60)
+    proc = run_or_report([*cmd, "--no-python", str(program)], 60)
     assert proc.returncode == 1
     assert "rank 1 failed and left an empty or torn error file" in proc.stderr, proc.stderr[-3000:]
     assert "JSONDecodeError" not in proc.stderr

@@ -5,11 +5,12 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.hangs import run_or_report
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -57,9 +58,7 @@ def _train(code: str, folder: Path, *runner: str) -> tuple[float, float, dict]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(DOCS.parent / "src"), os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run(
-        [*runner, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_or_report([*runner, "train.py"], 300, cwd=folder, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     found = re.search(r"VALIDATE (\S+) (\S+)$", done.stdout, re.MULTILINE)
     assert found, done.stdout[-2000:]

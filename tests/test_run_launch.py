@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.hangs import communicate_or_report, run_or_report
+
 pytestmark = pytest.mark.launch  # real processes: launches, kills
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +47,7 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", *launch_args, str(SCRIPT)]
     cmd += ["--dir", str(tmp_path), *script_args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return run_or_report(cmd, timeout)
 
 
 def final_diff(tmp_path: Path) -> float:
@@ -71,7 +73,7 @@ def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weigh
         assert proc.poll() is None and time.monotonic() < deadline, "the script never reached step 3"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = communicate_or_report(proc, 120)
     assert proc.returncode == 75, err[-3000:]
     # at the step boundary where the ranks next compare notes (about every 0.5 s), or the epoch's end
     stopped = r"preempted by SIGTERM: every rank stopped (in epoch \d, after step \d|at the end of epoch \d)"
@@ -84,12 +86,8 @@ def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weigh
 
 
 def test_the_uninterrupted_one_process_run_is_the_plain_loop(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--bs", "16"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ},
+    proc = run_or_report(
+        [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--bs", "16"], 120, env={**os.environ}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final_diff(tmp_path) < TOL

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hangs import run_or_report
 from tests.test_run_launch import SCRIPT, TOL, final_diff
 from unison import Run
 
@@ -31,7 +32,7 @@ TIMEOUT_S = 300  # a launch on a loaded 2-core machine; seconds when quiet
 
 
 def run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd)
+    return run_or_report(cmd, TIMEOUT_S, cwd=cwd)
 
 
 def unison_launch(nproc: int, *args: str) -> list[str]:

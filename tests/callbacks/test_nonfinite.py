@@ -14,7 +14,6 @@ import io
 import math
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.hangs import run_or_report
 from unison import Callback, Checkpoint, DataLoaders, Learner, SaveModelCallback, set_seed
 
 N_TRAIN, N_VALID, DIM = 64, 16, 5
@@ -463,7 +463,7 @@ def test_launch_stops_on_a_nan_and_does_not_restart_into_it(tmp_path):
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    proc = run_or_report(cmd, 180, env=env)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "not restarting: rank" in proc.stderr and "NonFiniteError" in proc.stderr, proc.stderr[-3000:]
     assert "epoch 0, step 5" in proc.stderr and "rank 1" in proc.stderr

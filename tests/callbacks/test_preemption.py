@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.hangs import run_or_report
 from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 from unison.callbacks.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from unison.checkpoint import callback as checkpoint_callback
@@ -192,7 +193,7 @@ def _in_a_child(imports: str, call: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[2]
     code = f"import signal\nfrom tests.callbacks.test_preemption import {imports}\n{call}\n"
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return run_or_report([sys.executable, "-c", code], 120, env=env)
 
 
 @pytest.mark.procs  # a fresh interpreter: about 5 s

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.hangs import run_or_report
+
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 mlflow_tracking = pytest.importorskip("mlflow.tracking")
 
@@ -224,7 +226,7 @@ def test_a_killed_run_resumed_continues_the_same_runs_without_a_gap_or_a_repeat(
     assert first.returncode == -signal.SIGKILL
     assert len(in_mlflow) == STEPS  # killed inside epoch 1, before it was logged
 
-    second = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=WAIT_S)
+    second = run_or_report([*cmd, "--resume"], WAIT_S, env=env)
     assert second.returncode == 0, second.stdout + second.stderr
     ids = json.loads(second.stdout.split("RUNS ", 1)[1])
     losses, valid = plain_run("sgd")
@@ -249,7 +251,7 @@ def test_under_unison_launch_rank0_alone_logs_the_global_batch_losses(tmp_path, 
     uri = (tmp_path / "mlruns").as_uri()
     env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, **tracker_env}
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path / "run")]
-    done = subprocess.run([*cmd, "--mlflow", uri], env=env, capture_output=True, text=True, timeout=WAIT_S)
+    done = run_or_report([*cmd, "--mlflow", uri], WAIT_S, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     ids = json.loads(done.stdout.split("[rank0] RUNS ", 1)[1].splitlines()[0])
     assert "[rank1] RUNS " in done.stdout and len(list(tmp_path.glob("wandb/offline-run-*"))) == 1

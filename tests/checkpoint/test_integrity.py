@@ -5,7 +5,6 @@ or a copy tool would (flipped bytes, a cut, a lost file) and resumes it on 1 and
 """
 
 import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -18,6 +17,7 @@ from torch import nn
 
 from tests.checkpoint.test_callback import Stop, StopAt
 from tests.checkpoint.test_sharded import _fit, _learner, _max_diff, _weights
+from tests.hangs import run_or_report
 from unison import Checkpoint, CheckpointError
 from unison.checkpoint.format import atomic_save, safe_load
 from unison.checkpoint.sharded import META_FILE, read_meta, save_sharded
@@ -259,7 +259,7 @@ def test_keep_previous_works_the_same_for_a_plain_checkpoint(tmp_path):
 def _launch(folder, nproc):
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", nproc, str(SCRIPT), "--dir", str(folder)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = run_or_report(cmd, 180)
     return proc, time.monotonic() - start
 
 

@@ -1,11 +1,12 @@
 """examples/stream_digits.py runs as the README shows, and 2 processes equal one (workers: test_stream.py)."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.hangs import run_or_report
 
 pytestmark = pytest.mark.launch  # real processes
 
@@ -14,7 +15,7 @@ EXAMPLE = str(ROOT / "examples" / "stream_digits.py")
 
 
 def _accuracy(cmd, cwd):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd)
+    proc = run_or_report(cmd, 240, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"valid_accuracy (\d\.\d+)", proc.stdout)
     assert len(found) == 1, proc.stdout  # rank 0 reports, once

@@ -22,6 +22,7 @@ from unison.data.batch import DataLoaders
 
 torchft = pytest.importorskip("torchft")
 
+from tests.hangs import dump_and_kill, run_or_report  # noqa: E402
 from tests.launch.test_launch import free_port  # noqa: E402
 from tests.launch.test_multinode import machines  # noqa: E402, F401  (fixture: two network namespaces)
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
@@ -153,7 +154,7 @@ def finish(proc, timeout):
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        dump_and_kill(proc)  # its processes' stacks into its log, and none left running
         proc.wait(timeout=10)
     return Path(proc.log).read_text()
 
@@ -183,7 +184,7 @@ def plain_run(tmp_path, epochs: int, *data: str) -> None:
     """The plain one-process run the replicas are compared with: its weights in `tmp_path/plain.pt`."""
     out = str(tmp_path / "plain.pt")
     cmd = [sys.executable, str(SCRIPT), "--out", out, "--plain", "--epochs", str(epochs), *data]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = run_or_report(cmd, 120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -474,7 +475,7 @@ def test_unison_lighthouse_makes_quorums_refuses_a_port_in_use_and_stops_on_sigt
         quorum = client.quorum(replica_id="a", timeout=timedelta(seconds=10), step=7, world_size=1)
         assert [(m.replica_id, m.step) for m in quorum.participants] == [("a", 7)]
         port = address.rsplit(":", 1)[1]
-        second = subprocess.run([*cmd, "--port", port], capture_output=True, text=True, timeout=60)
+        second = run_or_report([*cmd, "--port", port], 60)
         assert second.returncode == 1
         assert second.stderr.startswith(f"unison lighthouse: could not start on port {port}: "), second.stderr
         proc.send_signal(signal.SIGTERM)

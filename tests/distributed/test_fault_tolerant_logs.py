@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.hangs import run_or_report
 from unison.launch.launcher import parse_options
 from unison.launch.options import LaunchError
 
@@ -77,9 +78,7 @@ def test_replicas_started_together_print_the_same_table_as_one_process_and_say_s
         with open(logs["b"], "w") as out:
             cmd = [*LAUNCH, "--lighthouse", address.group(1), "--replica-id", "b", *ft]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=out, env=env))
-        plain = subprocess.run(
-            [sys.executable, SCRIPT, "--plain"], capture_output=True, text=True, timeout=WAIT_S
-        )
+        plain = run_or_report([sys.executable, SCRIPT, "--plain"], WAIT_S)
         for proc in procs:
             proc.wait(timeout=WAIT_S)
     finally:
@@ -202,7 +201,7 @@ def test_a_replica_group_of_two_processes_speaks_with_one_voice(tmp_path):
     torchft), but only group rank 0 prints the table (it printed it too, as did its checkpoints)."""
     serve = ["--start-lighthouse", "--lighthouse-port", "0", "--min-replicas", "1", "--replica-id", "a"]
     cmd = [*LAUNCH, "--nproc", "2", *serve, SCRIPT, "--min-replicas", "1", "--epochs", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S)
+    done = run_or_report(cmd, WAIT_S)
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown[-3000:]
     headers = [line for line in shown.splitlines() if re.search(r"\bepoch\s+train_loss\s+valid_loss", line)]

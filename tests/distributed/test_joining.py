@@ -7,6 +7,8 @@ import textwrap
 
 import pytest
 
+from tests.hangs import communicate_or_report
+
 SCRIPT = textwrap.dedent(
     """
     import sys, time
@@ -49,6 +51,6 @@ def test_the_rank_that_stopped_is_named_after_the_group_was_destroyed(tmp_path):
         subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]
-    out = [p.communicate(timeout=60)[0] for p in ranks]
+    out = [communicate_or_report(p, 60)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], out
     assert out[0].startswith("diagnosis: 1 rank 1 left the training early"), out[0]

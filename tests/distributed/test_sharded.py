@@ -3,7 +3,6 @@
 import contextlib
 import io
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.hangs import run_or_report
 from unison import (
     Callback,
     DataLoaders,
@@ -255,7 +255,7 @@ def test_readme_example_trains_sharded_on_two_processes(tmp_path):
     """examples/train_sharded.py under `unison launch --nproc 2`: learns, checkpoints sharded, exports."""
     script = Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py"
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = run_or_report(cmd, 240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"valid_accuracy (\d\.\d+)", proc.stdout)
     assert len(found) == 1 and float(found[0]) >= 0.95, proc.stdout

@@ -1,12 +1,13 @@
 """Faults in a sharded job, real launches: a killed rank restarts exactly, a stalled one is named."""
 
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.hangs import run_or_report
 
 pytestmark = pytest.mark.launch  # real processes: launches, kills
 
@@ -26,7 +27,7 @@ def launch(folder, *launch_args, script_args=(), timeout=180):
         str(folder),
     ]
     start = time.monotonic()
-    proc = subprocess.run([*cmd, *script_args], capture_output=True, text=True, timeout=timeout)
+    proc = run_or_report([*cmd, *script_args], timeout)
     return proc, time.monotonic() - start
 
 

@@ -2,12 +2,13 @@
 missing rank and ends the process. On the CPU a gloo all-reduce with a long timeout stands in for
 NCCL's (its watchdog would abort the process without a word); the NCCL run is in `make gpu-check`."""
 
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from tests.hangs import run_or_report
 
 pytestmark = pytest.mark.launch
 
@@ -39,7 +40,7 @@ def test_a_blocked_rank_names_the_missing_one_and_exits(tmp_path):
     script.write_text(SCRIPT)
     start = time.monotonic()
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    proc = run_or_report(cmd, 110)
     took = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "the all-reduce returned" not in out

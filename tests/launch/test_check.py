@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.hangs import run_or_report
 from unison.launch.check import CheckError, compare, main, preflight, scale_batch_arg, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +143,7 @@ def test_runs_that_were_not_set_up_alike_are_refused() -> None:
 
 # ---- real runs ------------------------------------------------------------------------------------
 def check_exact(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CHECK, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return run_or_report([*CHECK, *args], timeout, cwd=cwd)
 
 
 def reported(out: str, dtype: str) -> float:

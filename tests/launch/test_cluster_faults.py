@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.hangs import communicate_or_report
 from tests.launch.shared_runs import once_per_session
 from tests.launch.test_launch import LAUNCH, ROOT, free_port
 from tests.launch.test_multinode import Machines, machines  # noqa: F401  (fixture)
@@ -76,12 +77,7 @@ class Job:
 
     def finish(self, limit: float = WAIT_S) -> float:
         """Wait for the launcher to end (killed past `limit`); return when it ended (monotonic)."""
-        try:
-            self.out, self.err = self.proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.out, self.err = self.proc.communicate()
-            pytest.fail(f"the launch did not end within {limit} s:\n{self.err[-3000:]}")
+        self.out, self.err = communicate_or_report(self.proc, limit, "the launch")
         self.out = self.out or ""
         return time.monotonic()
 

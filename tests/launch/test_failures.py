@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hangs import communicate_or_report, run_or_report
 from unison.launch.failures import deterministic_failure, exit_phrase, oom_count, sigkill_cause
 
 
@@ -106,7 +107,7 @@ def test_the_restart_line_starts_on_a_line_of_its_own(tmp_path):
     script = tmp_path / "cut.py"
     script.write_text(CUT_OFF)
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", "--max-restarts", "1", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_or_report(cmd, 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "second attempt ran" in proc.stdout
     lines = proc.stderr.splitlines()
@@ -123,7 +124,7 @@ def test_the_failure_summary_starts_on_a_line_of_its_own(tmp_path):
     script = tmp_path / "cut.py"
     script.write_text(CUT_OFF)
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_or_report(cmd, 120)
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert any(line.endswith("learn.fit(3)") for line in lines), proc.stderr[-3000:]
@@ -205,7 +206,7 @@ def test_another_jobs_oom_kill_is_not_blamed_for_a_kill_9(tmp_path):
             assert _run_out_of_memory(other_job) == -9
         assert Path("/proc/vmstat").read_text() != machine  # the machine's count rose
         (tmp_path / "go").touch()
-        _, err = job.communicate(timeout=90)
+        _, err = communicate_or_report(job, 90)
     finally:
         job.kill()
     assert job.returncode == 137, err[-3000:]

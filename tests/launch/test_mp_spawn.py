@@ -94,9 +94,9 @@ def test_processes_spawned_by_a_launched_worker_divide_its_share_of_the_cores(tm
     """`unison launch --nproc 1` gives its one worker every core; the 2 processes that worker spawns
     each inherited that count (2 + 2 threads on 2 cores). They divide it now; a count the user set
     (OMP_NUM_THREADS=3) is per process, as given."""
-    import subprocess
     import sys
 
+    from tests.hangs import run_or_report
     from unison.distributed.env import usable_cores
 
     cores = usable_cores()
@@ -108,7 +108,7 @@ def test_processes_spawned_by_a_launched_worker_divide_its_share_of_the_cores(tm
     if user_threads is not None:
         env["OMP_NUM_THREADS"] = user_threads
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script), str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    done = run_or_report(cmd, 120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     worker = int((tmp_path / "worker").read_text())
     children = sorted(int((tmp_path / f"child{i}").read_text()) for i in range(2))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hangs import communicate_or_report
 from tests.launch.test_cluster_faults import leftovers, no_process_survives, weights  # noqa: F401
 from tests.launch.test_launch import LAUNCH, ROOT
 from unison.launch.launcher import SHUTDOWN_GRACE_S, parse_options
@@ -41,21 +42,16 @@ def run(folder: Path, *script_args: str, launch_args=(), signal_launcher_at=None
     cmd = [*LAUNCH, "--nproc", "2", *launch_args, SCRIPT, "--dir", str(folder), *script_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sent = None
-    try:
-        if signal_launcher_at is not None:
-            sig, delay = signal_launcher_at
-            deadline = time.monotonic() + WAIT_S
-            while not (folder / "ready").exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(delay)
-            if proc.poll() is None:
-                proc.send_signal(sig)
-                sent = time.time()
-        out, err = proc.communicate(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the launch did not end within {WAIT_S} s:\n{err[-3000:]}")
+    if signal_launcher_at is not None:
+        sig, delay = signal_launcher_at
+        deadline = time.monotonic() + WAIT_S
+        while not (folder / "ready").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            sent = time.time()
+    out, err = communicate_or_report(proc, WAIT_S, "the launch")
     ended = time.time()
     if sent is None and (folder / "sent").exists():
         sent = (folder / "sent").stat().st_mtime

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hangs import run_or_report
+
 pytestmark = pytest.mark.launch  # real launches (and one unison.spawn)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,10 +113,7 @@ def test_spawn_on_a_terminal_draws_rank0_bars_the_same_way():
 
 
 def test_launch_through_a_pipe_draws_no_bar():
-    proc = subprocess.run(
-        [sys.executable, "-m", "unison.launch", "--nproc", "2", SCRIPT],
-        cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S,
-    )  # fmt: skip
+    proc = run_or_report([sys.executable, "-m", "unison.launch", "--nproc", "2", SCRIPT], WAIT_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     both = proc.stdout + proc.stderr
     assert "[rank0] epoch     train_loss" in proc.stdout and "[rank1] RANK1 line at step 5" in proc.stdout

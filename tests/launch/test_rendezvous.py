@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import stat
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.hangs import run_or_report
 from unison.launch.launcher import parse_options, plan_launch
 from unison.launch.logs import RankLogsSpecs
 from unison.launch.options import LaunchError
@@ -36,7 +36,7 @@ def test_an_endpoint_port_held_by_another_program_fails_fast_saying_so(foreign_l
     port = foreign_listener
     cmd = [sys.executable, "-m", "unison.launch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "20"]
     start = time.monotonic()
-    proc = subprocess.run([*cmd, str(PROBE)], capture_output=True, text=True, timeout=120)
+    proc = run_or_report([*cmd, str(PROBE)], 120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (
@@ -76,7 +76,7 @@ def test_a_launch_on_another_jobs_store_is_refused_not_joined(tmp_path):
         "--rdzv-id",
         "7",
     ]
-    proc = subprocess.run([*cmd, "--timeout", "20", str(script)], capture_output=True, text=True, timeout=120)
+    proc = run_or_report([*cmd, "--timeout", "20", str(script)], 120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "RAN" not in proc.stdout
     assert (
@@ -127,7 +127,7 @@ def test_a_node_that_never_comes_is_explained_not_an_empty_error(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "unison.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    proc = subprocess.run([*cmd, "--timeout", "3", str(script)], capture_output=True, text=True, timeout=90)
+    proc = run_or_report([*cmd, "--timeout", "3", str(script)], 90)
     assert proc.returncode == 1
     (line,) = [x for x in proc.stderr.splitlines() if "Error" in x]
     assert line.startswith(

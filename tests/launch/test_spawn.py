@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.launcher.api
 
+from tests.hangs import communicate_or_report, run_or_report
 from unison.distributed.env import threads_per_worker
 from unison.launch.spawn import SpawnError, _auto_start_method, spawn
 
@@ -237,7 +238,7 @@ def test_script_closure_forks_safely_after_the_parent_used_openmp(tmp_path):
         )
     )
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    out = run_or_report([sys.executable, str(script)], 90, env=env)
     assert out.returncode == 0, out.stderr
     assert "start method: fork\nthreads per worker: 2\n" in out.stdout
 
@@ -310,14 +311,8 @@ def test_a_frozen_rank_ends_the_spawn_within_timeout_plus_30s_naming_it(tmp_path
         text=True,
         start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=150)
-        ended = time.time()
-    except subprocess.TimeoutExpired:
-        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-            child.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"spawn with frozen rank {frozen} still running after 150 s:\n{out[-3000:]}")
+    out, _ = communicate_or_report(proc, 150, f"spawn with frozen rank {frozen}")
+    ended = time.time()
     frozen_for = ended - float((tmp_path / "frozen_at").read_text())
     assert proc.returncode == 3, out[-3000:]
     assert f"rank {frozen} stopped taking part" in out, out[-3000:]

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.run as torchrun
 
+from tests.hangs import dump_and_kill
 from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, finish, run, start, tagged
 from unison.launch import launcher as launch_mod
 from unison.launch.options import LaunchError
@@ -188,7 +189,7 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
         try:
             out, err = proc.communicate(timeout=90)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            dump_and_kill(proc)  # the ranks' stacks into `err`, and no rank left running
             out, err = proc.communicate()
             if attempt == 1 and sorted(_digests(out)) == [0, 1]:
                 continue

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hangs import run_or_report
+
 SCRIPT = """
 import atexit, sys, threading, time
 
@@ -46,7 +48,7 @@ def run_worker(tmp_path: Path, how: str) -> subprocess.CompletedProcess[str]:
     script.write_text(SCRIPT)
     out = tmp_path / "out.txt"
     cmd = [sys.executable, "-m", "unison.launch.worker", str(script), str(out), how]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return run_or_report(cmd, 60)
 
 
 @pytest.mark.parametrize(
@@ -79,12 +81,7 @@ def test_the_bootstrap_leaves_torchs_state_to_the_script(tmp_path: Path) -> None
     script = tmp_path / "probe.py"
     heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
     script.write_text(f"import sys\nprint([m for m in {heavy!r} if m in sys.modules])\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "unison.launch.worker", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_or_report([sys.executable, "-m", "unison.launch.worker", str(script)], 60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -132,12 +129,7 @@ def test_threading_exit_hooks_run_before_the_threads_are_joined(tmp_path: Path) 
         "atexit: threads left ['MainThread']",
     ]
     assert python.stdout.splitlines() == expected  # what the interpreter itself does
-    worker = subprocess.run(
-        [sys.executable, "-m", "unison.launch.worker", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    worker = run_or_report([sys.executable, "-m", "unison.launch.worker", str(script)], 60)
     assert worker.returncode == 0, worker.stderr
     assert worker.stdout.splitlines() == expected
 
@@ -189,7 +181,7 @@ def test_a_compiled_model_trains_and_exits_under_launch(tmp_path: Path) -> None:
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}  # the pool even on a 1-core machine
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script), repr(scale)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    proc = run_or_report(cmd, 100, env=env)
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if "WEIGHTS " in ln)

@@ -41,7 +41,7 @@ parser.add_argument("--die-rank", type=int, default=0, help="which rank of a rep
 parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
 parser.add_argument(
-    "--counted", action="store_true", help="the train set writes each list of indices it loads to --out.fetched"
+    "--counted", action="store_true", help="the train set writes each index list it loads to --out.fetched"
 )
 parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
 parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")

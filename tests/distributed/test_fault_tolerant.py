@@ -221,6 +221,9 @@ def test_a_replica_killed_mid_step_is_replaced_and_every_replica_ends_on_the_uni
         logs = [finish(p, timeout=150) for p in procs[:2] + procs[3:]]
         for text in logs[:2]:  # each survivor's log says what happened
             assert "failed with 3 replicas; redone with 2 over the same items" in text, f"die_at={die_at}"
+            # A stream has no index to load a replica's rows by: it loads each step whole, and says so once.
+            whole = "each step's whole batch is loaded to keep this replica's rows: the loader streams"
+            assert text.count(whole) == (1 if "--stream" in data else 0), text[-3000:]
         assert re.search(r"healed from a live peer \(replica r[01]\): joins at epoch", logs[2])
         for p, text in zip(procs[:2] + procs[3:], logs, strict=True):
             assert p.returncode == 0, f"die_at={die_at}\n{text[-3000:]}"
@@ -449,6 +452,46 @@ def test_a_stalled_replica_does_not_hang_the_other_which_names_it_and_ends_on_th
     assert run["steps"] == 32 and run["events"]["participants"][-1] == 1
     gaps = [b - a for a, b in zip(run["times"], run["times"][1:], strict=False)]
     assert max(gaps) < 15, f"stall_at={stall_at}: a stalled {max(gaps):.1f} s (timeout 3 s, join 2 s)"
+
+
+def fetched(path):
+    """The lists of indices a --counted replica loaded, one per fetch, in order."""
+    return [[int(i) for i in line.split()] for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.lighthouse
+@pytest.mark.timeout(150)
+def test_each_replica_loads_only_its_rows_and_a_survivor_loads_the_rows_it_lacks_to_redo_a_step(tmp_path):
+    """Two replicas each load half of every step (rows p::2 of the loader's batch, in its order),
+    not the whole batch; one is killed mid-step, and the survivor loads that step's rows again
+    whole (its new share, the rows it lacked with it), then whole batches alone, ending exact."""
+    die_at = random.randint(3, 10)  # b is SIGKILLed mid-step here (of 32); printed on failure
+    common = ["--epochs", "2", "--timeout", "10", "--start-replicas", "2", "--counted"]
+    plain_run(tmp_path, 2, "--counted")
+    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=100)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
+    procs = []
+    try:
+        procs.append(replica(tmp_path / "a.pt", "--replica", "a", *common, env=env))
+        procs.append(replica(tmp_path / "b.pt", "--replica", "b", "--die-at", str(die_at), *common, env=env))
+        logs = [finish(p, timeout=120) for p in procs]
+    finally:
+        stop_all(procs, lighthouse)
+    assert procs[0].returncode == 0 and procs[1].returncode == -9, f"die_at={die_at}\n{logs[0][-3000:]}"
+    redone = f"step {die_at} failed with 2 replicas; redone with 1 over the same items"
+    assert redone in logs[0], logs[0][-3000:]
+    steps = fetched(tmp_path / "plain.pt.fetched")  # one process: each step's whole batch
+    assert len(steps) == 32 and sorted(i for s in steps[:16] for i in s) == list(range(192))
+    a, b = fetched(tmp_path / "a.pt.fetched"), fetched(tmp_path / "b.pt.fetched")
+    p = 0 if a[0] == steps[0][0::2] else 1  # a's place among the two participants
+    assert b == [s[1 - p :: 2] for s in steps[: die_at + 1]], f"die_at={die_at}"  # half of each, then killed
+    halves = [s[p::2] for s in steps[: die_at + 1]]
+    assert a == [*halves, steps[die_at], *steps[die_at + 1 :]], f"die_at={die_at}"  # the redo, then alone
+    run = torch.load(tmp_path / "a.pt")
+    want = torch.load(tmp_path / "plain.pt")["weights"]
+    for key, value in want.items():
+        torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=2e-5, msg=key)
+    assert run["steps"] == 32 and run["events"]["redone"] == 1
 
 
 def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):

@@ -16,7 +16,7 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 
@@ -40,6 +40,9 @@ parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself mid-s
 parser.add_argument("--die-rank", type=int, default=0, help="which rank of a replica group --die-at kills")
 parser.add_argument("--stall-at", type=int, default=-1, help="SIGSTOP itself mid-step at this step")
 parser.add_argument("--stream", action="store_true", help="the train set as a sized IterableDataset")
+parser.add_argument(
+    "--counted", action="store_true", help="the train set writes each index list it loads to --out.fetched"
+)
 parser.add_argument("--restart-delay", type=float, default=0.0, help="a restarted attempt waits this long")
 parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")
 parser.add_argument(
@@ -147,7 +150,27 @@ class Stream(IterableDataset):
         return len(self.x)
 
 
+class Counted(Dataset):
+    """The train items, each list of indices this process loads written as a line to --out.fetched."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices):  # (torch's fetcher calls it with a batch's indices)
+        with open(out + ".fetched", "a") as fh:
+            fh.write(" ".join(str(int(i)) for i in indices) + "\n")
+        return [(self.x[i], self.y[i]) for i in indices]
+
+
 def train_loader(x, y):
+    if args.counted:
+        return DataLoader(Counted(x, y), batch_size=args.batch_size, shuffle=True)
     if args.sampler:
         return DataLoader(TensorDataset(x, y), batch_sampler=UnevenBatches(len(x)))
     if args.stream:

@@ -111,8 +111,10 @@ class _PlanSampler:
 
     def __iter__(self) -> Iterator[Any]:
         # Bind the plan now: a later plan must not change an iteration in flight.
-        plan, start = self.owner._rank_plan, self.owner._plan_start
-        return plan.batches(start, self.as_tensor)
+        plan, start, cut = self.owner._rank_plan, self.owner._plan_start, self.owner.cut_rows
+        batches = plan.batches(start, self.as_tensor)
+        # Cut lazily: each batch as the loader asks for it (a torchft replica's rows of that step).
+        return batches if cut is None else (cut(k, b) for k, b in enumerate(batches, start))
 
     def __len__(self) -> int:
         return len(self.owner._rank_plan) - self.owner._plan_start
@@ -195,6 +197,9 @@ class DistributedDL:
         self._plan_start = 0
         self._global_sizes: list[int] = []
         self._dealt_cache: tuple[int, list[list[Any]]] | None = None
+        #: `cut(batch_index, indices)` -> the indices to load of that batch (None: all of them); a
+        #: torchft replica loads only its rows of each step (`unison.distributed.ft_rows`).
+        self.cut_rows: Any = None
         # DataLoader draws its worker base seed from this generator on every iter(); a private one
         # reseeded per epoch keeps the caller's global RNG untouched and worker seeds reproducible.
         self._gen = dl.generator if dl.generator is not None else torch.Generator()
@@ -347,6 +352,23 @@ class DistributedDL:
         """
         real = self._rank_plan.real
         return real[batch_index] if batch_index < len(real) else 0
+
+    def batch_indices(self, batch_index: int) -> Any:
+        """The dataset indices of this rank's batch `batch_index` of the epoch last iterated, uncut
+        (a list of them, or an int64 tensor for the batched `TensorDataset` fetch)."""
+        return self._rank_plan.batch(batch_index, isinstance(self._inner.dataset, _TensorBatches))
+
+    def load(self, indices: Any) -> Any:
+        """Load and collate `indices` here, in this process, as the loader's fetch does (torch's
+        `_MapDatasetFetcher`: the dataset's `__getitems__` when it has one, else one item at a time).
+
+        >>> DistributedDL(DataLoader(list(range(10)), batch_size=4), 0, 1).load([7, 2])
+        tensor([7, 2])
+        """
+        dataset, collate = self._inner.dataset, self._inner.collate_fn
+        getitems = getattr(dataset, "__getitems__", None)
+        data = getitems(indices) if getitems else [dataset[i] for i in indices]
+        return collate(data)
 
     def _plan(self, epoch: int) -> RankPlan:
         if self.dealt:

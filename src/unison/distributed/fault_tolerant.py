@@ -29,9 +29,10 @@ redone under a new quorum, as before. A replica that starts joins at the next qu
 newcomer may form a quorum of its own). Each replica says in the gradient all-reduce whether its
 interval is up, so every participant reads the same sum and takes the next quorum at the same step.
 
-Costs (benchmarks/RESULTS.md): each group loads the whole global batch and keeps 1/P of it; each
-step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip. Refused in
-one line: BatchNorm, `shard=True`, gradient accumulation.
+Each process loads only its rows of a step from a map-style loader (`unison.distributed.ft_rows`;
+a stream or a custom collate_fn: the whole batch, said in one line). Costs (benchmarks/RESULTS.md):
+each step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip.
+Refused in one line: BatchNorm, `shard=True`, gradient accumulation.
 
 >>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
 ...     learn.fit(3)
@@ -51,11 +52,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from unison.data.batch import batch_size_of, map_tensors
+from unison.data.batch import batch_size_of
 from unison.distributed.collective import Collective
 from unison.distributed.ft_logs import quiet_torchft, start_line
-from unison.distributed.ft_quorum import QuorumWitness, replica_name
-from unison.distributed.ft_reduce import StepVector
+from unison.distributed.ft_quorum import QuorumWitness, membership_change
+from unison.distributed.ft_reduce import ReplicaGroupLostError, StepVector, group_sum
+from unison.distributed.ft_rows import RowLoads, Split, rows_of
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
@@ -68,15 +70,6 @@ class ReplicaBehindError(RuntimeError):
     """This replica was healed to another step than the one it is at: it must restart to rejoin."""
 
 
-class ReplicaGroupLostError(RuntimeError):
-    """A process of this replica group stopped: the group ends, and its launcher restarts it."""
-
-
-def _rows(x: Any, part: int, parts: int) -> Any:
-    """Rows `part, part + parts, ...` of a (nested) batch; scalars and non-tensors kept."""
-    return map_tensors(lambda t: t[part::parts] if t.dim() else t, x)
-
-
 class FaultTolerantTrainer(Callback):
     """Train on torchft replicas that survive a lost peer; `distrib_ctx(fault_tolerant=True)` attaches it.
 
@@ -86,7 +79,9 @@ class FaultTolerantTrainer(Callback):
     (up to `quorum_timeout`) until this many replicas take part; `quorum_interval`: seconds between
     quorums while nothing fails (0: one every step, torchft's way); `timeout`: seconds any all-reduce, commit
     vote or state transfer may take before the step is given up and redone; `verbose`: torchft's
-    INFO lines and tracebacks too (default `UNISON_FT_VERBOSE`; see `distributed.ft_logs`).
+    INFO lines and tracebacks too (default `UNISON_FT_VERBOSE`; see `distributed.ft_logs`);
+    `fetch_rows`: load only this process's rows of each step (None: where exact, see `ft_rows`;
+    True: also through a custom collate_fn, which you vouch collates row by row; False: never).
 
     >>> with learn.distrib_ctx(fault_tolerant={"min_replicas": 2}):       # doctest: +SKIP
     ...     learn.fit(3)
@@ -108,6 +103,7 @@ class FaultTolerantTrainer(Callback):
         start_replicas: int = 1,
         quorum_interval: float = 0.5,
         verbose: bool | None = None,
+        fetch_rows: bool | None = None,
         advertised_host: Callable[[str | None], str] | None = None,
     ) -> None:
         self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -123,6 +119,10 @@ class FaultTolerantTrainer(Callback):
         self._last_quorum = 0.0  # time.monotonic() of this replica's latest quorum
         self._quorum_due = True  # the participants agreed (last all-reduce) that the next step takes one
         self.verbose = verbose  # torchft's INFO lines and tracebacks (default: UNISON_FT_VERBOSE)
+        self.fetch_rows = fetch_rows
+        self._loads: RowLoads | None = None  # this training pass's loader cuts each step to our rows
+        self._split: Split = (0, 1)  # the rows this process takes of a step, as of the latest quorum
+        self._said_whole = False  # the line saying each step is loaded whole was said
         # How this replica names its host to the others (the engine gives the launcher's helpers).
         self._advertised_host = advertised_host or (lambda lighthouse: socket.gethostname())
         self.active = False
@@ -225,6 +225,7 @@ class FaultTolerantTrainer(Callback):
 
     def restore(self) -> None:
         self.active = False
+        self.after_train()
         if self._original_collective is not None:
             self.learn.set_collective(self._original_collective)
             self._original_collective = None
@@ -310,6 +311,19 @@ class FaultTolerantTrainer(Callback):
                 f"lighthouse at {self.lighthouse}: are at least its --min-replicas replicas running?"
             ) from exc
 
+    def before_train(self) -> None:
+        # The loader, planned for this pass, cuts each step to this process's rows before loading it.
+        self._split = self._split_now()
+        self._loads, problem = RowLoads.attach(self.learn.dl, self.fetch_rows, split=lambda: self._split)
+        if problem and not self._said_whole:
+            self._say(f"each step's whole batch is loaded to keep this replica's rows: {problem}")
+            self._said_whole = True
+
+    def after_train(self) -> None:
+        if self._loads is not None:
+            self._loads.detach()
+            self._loads = None
+
     def before_batch(self) -> None:
         learn = self.learn
         if not learn.training:
@@ -320,7 +334,8 @@ class FaultTolerantTrainer(Callback):
             self._check_not_moved()
             self._say_membership()
         self._quorum_ready = False
-        self._full = (learn.xb, learn.yb)
+        cut = self._loads is not None and self._loads.took(learn.iter, learn.xb, learn.yb)
+        self._full = None if cut else (learn.xb, learn.yb)  # (cut: `_loads` has this process's rows)
         self._take_share()
 
     def _say_membership(self, redo: bool = False) -> str:
@@ -328,15 +343,9 @@ class FaultTolerantTrainer(Callback):
         return which left ("" if none), for a redo's line."""
         was, now = self._members, self._witness.starts
         self._members = now
-        left = [replica_name(r) for r in was if r not in now]
-        joined = [replica_name(r) for r in now if r not in was]
-        back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
-        left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
+        joined, lost = membership_change(was, now)
         if joined and was:
             self._say(f"replica(s) {', '.join(joined)} joined the quorum ({len(now)} replicas now)")
-        said = [f"replica(s) {', '.join(left)} left the quorum"] if left else []
-        said += [f"replica(s) {', '.join(back)} left the quorum and rejoined (restarted)"] if back else []
-        lost = "; ".join(said)
         if lost and not redo:
             self._say(f"{lost} between steps ({len(now)} replicas now)")
         return lost
@@ -351,17 +360,23 @@ class FaultTolerantTrainer(Callback):
                 "from them at its first quorum"
             )
 
-    def _take_share(self) -> None:
-        learn = self.learn
-        assert self._full is not None
+    def _split_now(self) -> Split:
         part, parts = self.manager.participating_rank(), self.manager.num_participants()
-        self.events["participants"].append(parts)
-        xb, yb = self._full
         if part is None or parts < 1:  # a spare (not used here): torchft zeroes what it all-reduces
             part, parts = 0, 1
         # Rank r of participant p takes rows p*G + r :: P*G: the P groups' G ranks deal the step out.
-        first, stride = part * self.group_size + self.group_rank, parts * self.group_size
-        learn.xb, learn.yb = _rows(xb, first, stride), _rows(yb, first, stride)
+        return part * self.group_size + self.group_rank, parts * self.group_size
+
+    def _take_share(self) -> None:
+        learn = self.learn
+        self.events["participants"].append(self.manager.num_participants())
+        self._split = first, stride = self._split_now()
+        if self._full is None:  # this process's rows were loaded alone (or are loaded now)
+            assert self._loads is not None
+            learn.xb, learn.yb, learn._empty_share = self._loads.share(learn, self._split)
+            return
+        xb, yb = self._full
+        learn.xb, learn.yb = rows_of(xb, first, stride), rows_of(yb, first, stride)
         learn._empty_share = batch_size_of(learn.xb) == 0
 
     def after_backward(self) -> None:
@@ -387,22 +402,11 @@ class FaultTolerantTrainer(Callback):
         up = float(time.monotonic() - self._last_quorum >= self.quorum_interval)
         vector = torch.cat([step.flat, step.flat.new_full((1,), up)])
         if self.group_size > 1:
-            self._group_sum(vector)
+            group_sum(vector, self.replica_id)
         self.manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
         step.flat, self._quorum_due = vector[:-1], bool(vector[-1] > 0)
         step.unpack(self.learn)  # the global batch's gradient and loss
         return bool(self.manager.should_commit())
-
-    def _group_sum(self, flat: torch.Tensor) -> None:
-        try:
-            dist.all_reduce(flat)
-        except RuntimeError as exc:  # a peer of this group died or stalls: the whole group must go
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ReplicaGroupLostError(
-                f"replica {self.replica_id}: a process of this replica group stopped taking part "
-                f"({first}): the group stops here and its launcher restarts it (--max-restarts); the "
-                "other replicas redo the step without it"
-            ) from exc
 
     def _retake_step(self) -> None:
         """The step failed somewhere (a lost peer): new quorum, same items, this rank's new share of

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QuorumWitness", "replica_name"]
+__all__ = ["QuorumWitness", "membership_change", "replica_name"]
 
 
 class QuorumWitness:
@@ -48,3 +48,19 @@ def replica_name(start: str) -> str:
     'b'
     """
     return start.split(":")[0]
+
+
+def membership_change(was: list[str], now: list[str]) -> tuple[list[str], str]:
+    """Between two quorums' members (starts, `QuorumWitness.starts`): the replicas that joined, and
+    a phrase naming those that left, or left and came back restarted ("" if none).
+
+    >>> membership_change(["a:1", "b:2"], ["a:1", "b:3", "c:4"])
+    (['c'], 'replica(s) b left the quorum and rejoined (restarted)')
+    """
+    left = [replica_name(r) for r in was if r not in now]
+    joined = [replica_name(r) for r in now if r not in was]
+    back = [r for r in left if r in joined]  # restarted between two quorums: left and came back
+    left, joined = [r for r in left if r not in back], [r for r in joined if r not in back]
+    said = [f"replica(s) {', '.join(left)} left the quorum"] if left else []
+    said += [f"replica(s) {', '.join(back)} left the quorum and rejoined (restarted)"] if back else []
+    return joined, "; ".join(said)

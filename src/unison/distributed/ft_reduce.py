@@ -23,12 +23,34 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
 
-__all__ = ["StepVector"]
+__all__ = ["ReplicaGroupLostError", "StepVector", "group_sum"]
+
+
+class ReplicaGroupLostError(RuntimeError):
+    """A process of this replica group stopped: the group ends, and its launcher restarts it."""
+
+
+def group_sum(flat: Tensor, replica_id: str) -> None:
+    """Sum `flat` in place over this replica group (its own gloo group, `unison launch --nproc G`);
+    a peer of the group that died or stalls ends the whole group (`ReplicaGroupLostError`).
+
+    >>> group_sum(step.flat, "a")   # doctest: +SKIP
+    """
+    try:
+        dist.all_reduce(flat)
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ReplicaGroupLostError(
+            f"replica {replica_id}: a process of this replica group stopped taking part "
+            f"({first}): the group stops here and its launcher restarts it (--max-restarts); the "
+            "other replicas redo the step without it"
+        ) from exc
 
 
 @dataclass

@@ -23,8 +23,7 @@ from unison.data.batch import DataLoaders
 torchft = pytest.importorskip("torchft")
 
 from tests.hangs import dump_and_kill, run_or_report  # noqa: E402
-from tests.launch.test_launch import free_port  # noqa: E402
-from tests.launch.test_multinode import machines  # noqa: E402, F401  (fixture: two network namespaces)
+from tests.launch.test_multinode import machines, netns_port  # noqa: E402, F401  (fixture: two network namespaces)
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
@@ -389,7 +388,7 @@ def test_two_replica_groups_on_two_network_namespaces_as_two_hosts_survive_a_kil
     die_at = random.randint(3, 10)  # a random global step (of 48); printed on failure
     common = ["--epochs", "3", "--step-time", "0.15", "--timeout", "10", "--start-replicas", "2"]
     plain_run(tmp_path, 3)
-    port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
+    port = netns_port()  # inside namespace A: nothing else listens there
     serve = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
     lighthouse = subprocess.Popen(
         machines.cmd(0, serve), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

@@ -30,8 +30,8 @@ import pytest
 
 from tests.hangs import communicate_or_report
 from tests.launch.shared_runs import once_per_session
-from tests.launch.test_launch import LAUNCH, ROOT, free_port
-from tests.launch.test_multinode import Machines, machines  # noqa: F401  (fixture)
+from tests.launch.test_launch import LAUNCH, ROOT
+from tests.launch.test_multinode import Machines, machines, netns_port  # noqa: F401  (fixture)
 
 SCRIPT = str(ROOT / "tests" / "fault_scripts" / "cluster_job.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread a worker: 2 machines = 1 machine, bit for bit
@@ -389,7 +389,7 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
         script = ["--cue-rank", "1", "--cue", "hold"]
         return Job(folder, *args, script_args=script, prefix=machines.cmd(i, []))
 
-    once_port, again_port = (29000 + free_port() % 1000 for _ in range(2))
+    once_port, again_port = (netns_port() for _ in range(2))
     once = [node(i, tmp_path / "once", once_port, 0) for i in (0, 1)]
     again = [node(i, tmp_path / "again", again_port, 1) for i in (0, 1)]
     once[1].cue()

@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from tests.launch.test_launch import LAUNCH, finish, free_port, start, tagged
+from tests.launch.test_launch import LAUNCH, finish, start, tagged
 from tests.launch.test_multinode import (  # noqa: F401  (fixtures)
     TRAIN,
     Machines,
     machines,
+    netns_port,
     result,
 )
 
@@ -27,7 +28,7 @@ def elastic(endpoint: str, timeout: int) -> list[str]:
 
 
 def test_the_node_owning_the_endpoint_hosts_the_store_whatever_the_hostname(machines: Machines) -> None:  # noqa: F811
-    endpoint = f"{machines.addrs[0]}:{29000 + free_port() % 1000}"
+    endpoint = f"{machines.addrs[0]}:{netns_port()}"
     nodes = [start(machines.cmd(i, elastic(endpoint, 60))) for i in (0, 1)]
     (rc0, out0, err0, _), (rc1, out1, err1, _) = (finish(p) for p in nodes)
     assert rc0 == 0, err0[-3000:]
@@ -40,7 +41,7 @@ def test_the_node_owning_the_endpoint_hosts_the_store_whatever_the_hostname(mach
 
 def test_a_store_that_no_node_can_host_fails_within_the_timeout_saying_why(machines: Machines) -> None:  # noqa: F811
     nobody = machines.addrs[0].rsplit(".", 1)[0] + ".3"  # on the namespaces' subnet, owned by none
-    endpoint = f"{nobody}:{29000 + free_port() % 1000}"
+    endpoint = f"{nobody}:{netns_port()}"
     begin = time.monotonic()
     nodes = [start(machines.cmd(i, elastic(endpoint, 5))) for i in (0, 1)]
     done = [finish(p, timeout=120) for p in nodes]

@@ -24,12 +24,13 @@ import psutil
 import pytest
 
 from tests.launch.test_cluster_faults import Job, leftovers, uninterrupted, weights  # noqa: F401  (fixtures)
-from tests.launch.test_launch import LAUNCH, PY, ROOT, finish, free_port, start, tagged
+from tests.launch.test_launch import LAUNCH, PY, ROOT, finish, start, tagged
 from tests.launch.test_multinode import (  # noqa: F401  (fixtures)
     TRAIN,
     Machines,
     assert_same_training,
     machines,
+    netns_port,
     result,
     single_machine,
 )
@@ -163,7 +164,7 @@ def test_each_operators_pods_train_as_one_machine(
 ) -> None:
     """`unison launch train.py` and nothing else in each pod; v1-nproc runs 2 processes a pod at half
     the batch (4 x 4 = 2 x 8), so a WORLD_SIZE read as pods would be 4 machines and never start."""
-    port = 29000 + free_port() % 1000
+    port = netns_port()
     args = ["--bs", "4"] if kind == "pytorchjob-v1-nproc" else []
     envs = nodes_env(kind, machines, port)
     nodes = [
@@ -187,7 +188,7 @@ def test_the_torchx_components_command_on_two_machines(
 ) -> None:
     """The component's own shell line, run by bash in each namespace with the rank-0 host variable set
     as a scheduler sets it (TorchX itself is not installed here: its urllib3 pin clashes with ray's)."""
-    port = 29000 + free_port() % 1000
+    port = netns_port()
     launcher = " ".join(LAUNCH)
     line = unison_torchx.launch_command(TRAIN, j="2x1", rdzv_id="app-1", rdzv_port=port, launcher=launcher)
     env = {"TORCHX_RANK0_HOST": machines.addrs[0]}
@@ -210,7 +211,7 @@ def test_an_elastic_pod_replaced_mid_run_ends_on_the_uninterrupted_weights(
     loses a node) dies whole, launcher and workers; a new pod starts with the same variables on the
     same shared folder. The other pod's workers fail on the lost peer, its agent restarts them, both
     pods meet in the next round and resume from the checkpoint to the uninterrupted weights."""
-    env = pod_elastic(f"{machines.addrs[0]}:{29000 + free_port() % 1000}", restarts=3)
+    env = pod_elastic(f"{machines.addrs[0]}:{netns_port()}", restarts=3)
     script = ["--cue-rank", "0", "--at", "5", "--cue", "hold"]  # every rank waits at step 5 for D/go
 
     def pod(i: int) -> Job:
@@ -249,7 +250,7 @@ def test_an_elastic_job_that_loses_a_pod_for_good_goes_on_alone_at_a_smaller_glo
     last call the other pod goes on alone (W=1) from the checkpoint, at global batch 8 instead of 16,
     so it ends (on one rank) but not on the uninterrupted weights, and says so in one warning line at
     the resume. The rendezvous' last call is 5 s here (torch's default 30 s only makes the test wait)."""
-    env = pod_elastic(f"{machines.addrs[0]}:{29000 + free_port() % 1000}", restarts=3)
+    env = pod_elastic(f"{machines.addrs[0]}:{netns_port()}", restarts=3)
     env["PET_RDZV_CONF"] = "last_call_timeout=5"
     script = ["--cue-rank", "0", "--at", "5", "--cue", "hold"]
     pods = [
@@ -279,7 +280,7 @@ def test_a_v1_pod_lost_then_both_restarted_on_failure_end_on_the_uninterrupted_w
     whole; the Master's workers fail on the lost peer and its launcher ends non-zero, so Kubernetes
     restarts both containers, in the same namespaces with the same variables (the Master's port
     again). The restarted job resumes from the checkpoint to the uninterrupted weights."""
-    env = [pod_v1(i, machines.addrs[0], 29000 + free_port() % 1000) for i in (0, 1)]
+    env = [pod_v1(i, machines.addrs[0], netns_port()) for i in (0, 1)]
     env[1]["MASTER_PORT"] = env[0]["MASTER_PORT"]
     script = ["--cue-rank", "0", "--at", "5", "--cue", "hold"]
 

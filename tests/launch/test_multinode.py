@@ -12,7 +12,9 @@ Traffic only ever goes to loopback or to the namespaces' own addresses.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import shutil
 import subprocess
 import uuid
@@ -29,6 +31,18 @@ pytestmark = pytest.mark.launch  # real processes: launches, spawns, kills
 
 TRAIN = str(SCRIPTS / "train_tiny.py")
 SUBNET = "10.213.7"
+
+# Ports for servers inside the namespaces (a rendezvous store on machine A): below their ephemeral
+# range (32768-60999), so no outgoing connection takes one, and never the same twice in this
+# process, so two jobs of one test, or a test and an earlier one on the same namespaces, never meet
+# on one port. (Random picks in 29000-29999 could meet; a quiet full run once failed where a node
+# of one job could not join its rendezvous, its connection broken, which a shared port explains.)
+_netns_ports = itertools.count(29000 + random.randrange(0, 1000, 10))
+
+
+def netns_port() -> int:
+    """A port no earlier test of this process used: for a server inside the network namespaces."""
+    return next(_netns_ports)
 
 
 def result(out: str) -> dict:
@@ -140,7 +154,7 @@ def machines() -> Iterator[Machines]:
 
 
 def test_two_machines_match_one_machine(machines: Machines, single_machine: dict) -> None:
-    port = 29000 + free_port() % 1000  # inside namespace A: nothing else listens there
+    port = netns_port()  # inside namespace A: nothing else listens there
     node0 = start(machines.cmd(0, node_cmd(0, machines.addrs[0], port)))
     node1 = start(machines.cmd(1, node_cmd(1, machines.addrs[0], port)))
     (rc0, out0, err0, _), (rc1, _, err1, _) = finish(node0), finish(node1)
@@ -157,7 +171,7 @@ def test_two_machines_match_one_machine(machines: Machines, single_machine: dict
 def test_seed004_by_hand_on_two_machines(machines: Machines) -> None:
     """Seed 004: one plain process per machine, no launcher, the script makes its tcp:// group."""
     example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
-    port = str(29000 + free_port() % 1000)
+    port = str(netns_port())
     procs = [
         start(
             machines.cmd(
@@ -195,7 +209,7 @@ def test_two_machines_kill_and_restart_end_on_the_uninterrupted_weights(
     restart, node 0's restarts its worker for the re-joining node without counting one, so the two
     workers see different TORCHELASTIC_RESTART_COUNTs: the group must still form at once (it used
     to wait on different store keys until the timeout) and end on the uninterrupted weights."""
-    endpoint = f"{machines.addrs[0]}:{29000 + free_port() % 1000}"
+    endpoint = f"{machines.addrs[0]}:{netns_port()}"
     elastic = [*LAUNCH, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1"]
     elastic += ["--timeout", "60"]
     marker = tmp_path / "killed"

@@ -171,6 +171,13 @@ def _digests(out: str) -> dict[int, tuple[str, str]]:
     return {int(r): (h, s) for _, r, h, s in DIGEST.findall(out)}
 
 
+def aborted_at_exit(rc: int, out: str, err: str) -> bool:
+    """Every rank printed its final weights, then one aborted in torch's teardown (see below)."""
+    return (
+        rc != 0 and sorted(_digests(out)) == [0, 1] and "terminate called without an active exception" in err
+    )
+
+
 def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path | None = None):
     """Run the tutorial in `folder` (a copy of `before`); rc, stdout, stderr.
 
@@ -179,8 +186,10 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
     deadlocks after its last line (pytorch/pytorch#56297). The script frees DDP just after
     `destroy_process_group`, where it bites. It hit 1 launch in 3 while unison's worker
     bootstrap imported FSDP/DTensor (fixed: tests/launch/test_worker.py); 0 in 12 since, and
-    0 in 10 under torchrun. Should it still happen, a launch whose every rank printed its final
-    weights and then hung is run once more, from the same starting files.
+    0 in 10 under torchrun. The same teardown can also abort the rank instead ("terminate called
+    without an active exception"): seen once under torchrun itself, in a quiet full run. Should
+    either happen, a launch whose every rank printed its final weights and then hung or aborted
+    is run once more, from the same starting files; torchrun's own run too.
     """
     for attempt in (1, 2):
         where = folder.with_name(f"{folder.name}-{attempt}")
@@ -194,6 +203,8 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
             if attempt == 1 and sorted(_digests(out)) == [0, 1]:
                 continue
             pytest.fail(f"{cmd} did not finish in 90 s\nstdout:\n{out}\nstderr:\n{err}")
+        if attempt == 1 and aborted_at_exit(proc.returncode, out, err):
+            continue
         shutil.copytree(where, folder, dirs_exist_ok=True)
         return proc.returncode, out, err
     raise AssertionError("unreachable")
@@ -209,6 +220,8 @@ def test_torchrun_tutorial_script_runs_as_under_torchrun(tmp_path: Path) -> None
     theirs = start([PY, "-m", "torch.distributed.run", *readme], env=env, cwd=tmp_path / "b")
     rc, out, err = run_tutorial([*LAUNCH, *readme], env, tmp_path / "a")
     rc2, out2, err2, _ = finish(theirs)
+    if aborted_at_exit(rc2, out2, err2):  # torch's own teardown defect, under torchrun itself
+        rc2, out2, err2 = run_tutorial([PY, "-m", "torch.distributed.run", *readme], env, tmp_path / "b2")
     assert rc == 0, err
     assert rc2 == 0, err2
     a, b = _digests(out), _digests(out2)

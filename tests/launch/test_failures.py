@@ -4,6 +4,7 @@ again, the OOM killer's count of the worker's own memory cgroup, the restart lin
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import time
@@ -167,9 +168,13 @@ def test_without_a_cgroup_of_its_own_the_machines_count_only_says_possibly(tmp_p
     assert not sigkill_cause(before, root=tmp_path).startswith(("killed", "possibly"))  # none yet
     with memory_cgroup(100_000_000, inside_own=False) as other_job:
         assert _run_out_of_memory(other_job) == -9
-    assert sigkill_cause(before, root=tmp_path).startswith(
-        "possibly killed by the kernel's OOM killer (out of memory): it ended 1 process(es) on this machine"
+    # The machine's count: other tests running beside this one (xdist) may OOM-kill processes too.
+    said = re.match(
+        r"possibly killed by the kernel's OOM killer \(out of memory\): it ended (\d+) process\(es\) on "
+        r"this machine",
+        sigkill_cause(before, root=tmp_path),
     )
+    assert said is not None and int(said.group(1)) >= 1, sigkill_cause(before, root=tmp_path)
     assert exit_phrase(-9, before) == "signal SIGKILL"  # the default root: this job's cgroup, no kill in it
 
 

@@ -199,12 +199,20 @@ def vmstat_oom_kills() -> int:
 
 
 def test_without_a_memory_cgroup_of_its_own_the_machines_count_is_read(tmp_path):
-    found = oom_count(root=tmp_path)  # an empty cgroup root: no memory cgroup files for this process
-    assert found == OomCount(vmstat_oom_kills(), "/proc/vmstat", False)
-    assert oom_kills_since(found, root=tmp_path) is None  # nothing was killed meanwhile
-    earlier = OomCount(found.kills - 1, "/proc/vmstat", False)  # as if one process was killed since
-    assert oom_kills_since(earlier, root=tmp_path) == OomCount(1, "/proc/vmstat", False)
-    assert sigkill_cause(earlier, root=tmp_path).startswith(
+    # The machine's count rises with any OOM kill, a parallel test's too (xdist): read it again
+    # until no kill landed while the assertions ran.
+    for _ in range(20):
+        start = vmstat_oom_kills()
+        found = oom_count(root=tmp_path)  # an empty cgroup root: no memory cgroup files for this process
+        quiet = oom_kills_since(found, root=tmp_path)  # nothing was killed meanwhile
+        earlier = OomCount(found.kills - 1, "/proc/vmstat", False)  # as if one process was killed since
+        since, cause = oom_kills_since(earlier, root=tmp_path), sigkill_cause(earlier, root=tmp_path)
+        if vmstat_oom_kills() == start:
+            break
+    assert found == OomCount(start, "/proc/vmstat", False)
+    assert quiet is None
+    assert since == OomCount(1, "/proc/vmstat", False)
+    assert cause.startswith(
         "possibly killed by the kernel's OOM killer (out of memory): it ended 1 process(es) on this machine"
     )
     assert exit_phrase(-9) == "signal SIGKILL"

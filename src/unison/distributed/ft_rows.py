@@ -117,6 +117,8 @@ class RowLoads:
     def took(self, k: int, xb: Any, yb: Any) -> bool:
         """Step `k` arrived as `xb`/`yb`: whether it was cut (then `share` gives its rows)."""
         split = self._cut_for.pop(k, None)
+        if split is None and self._cut_for:  # cut batches queued, but none numbered k: never slice one twice
+            raise RuntimeError(f"unison: step {k} arrived, but the loader cut steps {sorted(self._cut_for)}")
         self._loaded = None if split is None else (k, split, xb, yb)
         return split is not None
 

@@ -62,7 +62,10 @@ def run_in_terminal(cmd: list[str]) -> tuple[int, str]:
 
 def screen(shown: str) -> list[str]:
     """The lines a terminal shows after `shown` (what a user reads): carriage return, newline,
-    erase to the end of the line and cursor up applied (the only controls the bars use)."""
+    erase to the end of the line and cursor up applied (the only controls the bars use), down to
+    the cursor's row and any row below it that still holds text. A row below the cursor that was
+    erased is blank screen, as if never written (the relay takes its bars off from the bottom up,
+    leaving the cursor on their first row)."""
     lines, row, col = [""], 0, 0
     for token in re.findall(r"\x1b\[K|\x1b\[A|\r|\n|[^\x1b\r\n]+", shown):
         if token == "\r":
@@ -78,6 +81,8 @@ def screen(shown: str) -> list[str]:
             line = lines[row].ljust(col)
             lines[row] = line[:col] + token + line[col + len(token) :]
             col += len(token)
+    while len(lines) > row + 1 and not lines[-1]:
+        lines.pop()
     return lines
 
 

@@ -93,8 +93,12 @@ class BarRelay:
             self._thread.join()
             self.clear()
             sys.stdout, sys.stderr = saved
-            self._socket.close()
-            shutil.rmtree(self._folder, ignore_errors=True)
+            self.close()
+
+    def close(self) -> None:
+        """Close the relay's socket and remove its folder (`console` does it on the way out)."""
+        self._socket.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
     def forward(self, stream: TextIO, text: str) -> None:
         """Write `text` (forwarded output) on `stream` above the bars."""

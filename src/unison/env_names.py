@@ -18,6 +18,10 @@ from __future__ import annotations
 # ---- set by `unison launch` for its workers --------------------------------------------------
 #: The launcher's pid: a worker whose parent is already gone exits at once (`launch.worker`).
 LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
+#: The socket of the launch's zygote, which forks warm workers (`launch.zygote`); set for the stubs only.
+ZYGOTE_ENV = "UNISON_ZYGOTE"
+#: "0": every worker starts cold, a new interpreter (`launch.zygote.warm_start_allowed`).
+WARM_START_ENV = "UNISON_WARM_START"
 #: `--timeout`: seconds every collective may take before a missing rank is named (`distributed.group`).
 TIMEOUT_ENV = "UNISON_TIMEOUT"
 #: "gloo": train on the CPU even where CUDA is available (`distributed.devices`).

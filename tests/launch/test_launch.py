@@ -414,18 +414,23 @@ def digests(out: str) -> dict[int, tuple[str, str, str]]:
 
 
 @pytest.mark.launch
-def test_seed002_under_unison_launch_and_torchrun() -> None:
+def test_seed002_under_unison_launch_and_torchrun(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "seed002_local_rank.py")
     # seed 002's own command with unison for torch.distributed.launch; every rank's stdout shows
     ours = start([*LAUNCH, "--nproc_per_node=2", "--legacy-local-rank", example])
+    # torchrun's ranks share its stdout unprefixed, each flushing its buffer when full: a line can be
+    # cut in two by the other rank's output, so each rank's stdout is read from its own file.
+    logs = tmp_path / "torchrun"
     torchrun = start(
-        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", example],
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+        + ["--log-dir", str(logs), "--redirects", "1", example],
         env={"OMP_NUM_THREADS": "1"},
     )
     rc, out, err, _ = finish(ours)
     assert rc == 0, err
-    rc2, out2, err2, _ = finish(torchrun)
+    rc2, _, err2, _ = finish(torchrun)
     assert rc2 == 0, err2
+    out2 = "".join(path.read_text() for path in sorted(logs.rglob("stdout.log")))
     a, b = digests(out), digests(out2)
     assert sorted(a) == sorted(b) == [0, 1], (out, out2)
     assert a[0] == a[1], "ranks ended with different weights"

@@ -8,9 +8,11 @@
 The agent, the rendezvous, restarts and error files are torch's
 (`torch.distributed.launcher.api.launch_agent`); this module checks the options before
 anything starts, chooses the rendezvous, exports what workers need, and reports a failure
-in one summary. Each worker runs `python -m unison.launch.worker script.py args...`.
+in one summary. Each worker runs `python -m unison.launch.worker script.py args...`; on a CPU
+machine that process has the worker forked from the launch's zygote, which has imported torch
+already (`launch.zygote`, the warm start).
 
-Long on purpose (about 545 lines): the typed launch configuration (`LaunchOptions`) and its one
+Long on purpose (about 600 lines): the typed launch configuration (`LaunchOptions`) and its one
 parser must stay beside the plan they produce, so that every option and its check is read in
 one place; network, failure reports, logs and the rendezvous each live in their own module.
 """
@@ -26,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,7 @@ from unison.launch.rendezvous import (
 )
 from unison.launch.signals import PREEMPTED_EXIT
 from unison.launch.worker import ENTRY_FLAGS
+from unison.launch.zygote import Zygote, warm_start_allowed
 
 if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig
@@ -100,6 +103,8 @@ Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, M
            one machine), unless you set it.
   memory   THP_MEM_ALLOC_ENABLE=1 (Linux), unless you set it: torch backs CPU tensors of 2 MB
            and more with transparent huge pages (fewer page faults; see benchmarks/RESULTS.md).
+Warm start: on a CPU machine the workers are forked from a process that has imported torch
+(restarts start in milliseconds); UNISON_WARM_START=0 starts each as a new interpreter.
 Output: every rank's stdout and stderr, each line prefixed with the rank ([rank1] ...);
 --local-ranks-filter 0 shows local rank 0 alone, --redirects 1 (2, 3) keeps stdout (stderr,
 both) off the console. Every rank's output is also written to
@@ -333,6 +338,7 @@ class LaunchPlan:
     logs: RankLogsSpecs | None = None
     gloo_interface: str | None = None
     notes: list[str] = field(default_factory=list)  # lines printed after `describe`'s
+    warm: bool = False  # workers forked from a zygote that has imported torch (`launch.zygote`)
 
     def describe(self, opts: LaunchOptions) -> str:
         """One line about the launch, for the console."""
@@ -439,9 +445,9 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
     note = sharing_note(others, opts.nproc, int(env["OMP_NUM_THREADS"]))
-    return LaunchPlan(
-        config=config, args=args, env=env, logs=logs, gloo_interface=gloo, notes=[note] if note else []
-    )
+    warm = opts.torchrun.entry != "program" and warm_start_allowed(os.environ, opts.gpus, opts.backend)
+    notes = [note] if note else []
+    return LaunchPlan(config, args, env, logs, gloo_interface=gloo, notes=notes, warm=warm)
 
 
 def launch(opts: LaunchOptions) -> int:
@@ -489,8 +495,9 @@ def launch(opts: LaunchOptions) -> int:
                 print(f"unison launch: lighthouse serving at {lighthouse}", file=sys.stderr, flush=True)
                 plan.env[LIGHTHOUSE_ENV] = lighthouse
             bars = relay.env() if relay else {}
-            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars}):
-                launch_agent(plan.config, sys.executable, plan.args)
+            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars}), _zygote(plan) as warm:
+                with exported(warm):
+                    launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
         if said_preempted(log_dir, None):  # the signal reached the workers, not this launcher
@@ -565,6 +572,16 @@ def _bar_relay(logs: RankLogsSpecs) -> BarRelay | None:
     if relay is not None:
         logs.on_attempt = relay.clear  # a restarted rank 0's old bars are stale
     return relay
+
+
+@contextlib.contextmanager
+def _zygote(plan: LaunchPlan) -> Iterator[dict[str, str]]:
+    """The warm start's zygote for this launch (started with the workers' environment), or nothing."""
+    if not plan.warm:
+        yield {}
+        return
+    with Zygote.start() as zygote:
+        yield zygote.env()
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

@@ -25,6 +25,10 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    an active exception", SIGABRT after correct results; pytorch/pytorch#179291). Nothing a
    user relies on is skipped.
 
+On a CPU machine `unison launch` also starts a zygote (`launch.zygote`): this process then hands
+its streams and arguments to it and relays signals and the exit status (it is the *stub*), and
+the zygote forks the worker that runs the steps above, with torch already imported.
+
 >>> # what the agent runs for each rank:
 >>> # python -m unison.launch.worker train.py --epochs 3
 >>> # python -m unison.launch.worker -m mypkg.train --epochs 3
@@ -45,7 +49,7 @@ import threading
 from types import TracebackType
 from typing import NoReturn
 
-from unison.env_names import LAUNCHER_PID_ENV
+from unison.env_names import LAUNCHER_PID_ENV, ZYGOTE_ENV
 
 _PR_SET_PDEATHSIG = 1
 #: The worker's arguments before the target, by the launcher's entry kind (see `options.TorchrunChoices`).
@@ -233,9 +237,15 @@ def end_process(status: int) -> NoReturn:
     os._exit(status)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Bootstrap this worker, then run the user's script (see the module docstring)."""
+def main(argv: list[str] | None = None, forked: bool = False) -> None:
+    """Bootstrap this worker, then run the user's script (see the module docstring).
+
+    `forked`: this process was forked by the launch's zygote (`launch.zygote`), which has tied
+    it to its own life; otherwise, where the launcher started a zygote, this process becomes
+    the stub of a worker forked from it, and runs nothing itself.
+    """
     argv = sys.argv[1:] if argv is None else argv
+    given = list(argv)
     entry = {"-m": "module", "--exec": "program"}.get(argv[0] if argv else "", "script")
     if entry != "script":
         argv = argv[1:]
@@ -243,9 +253,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "usage: python -m unison.launch.worker [-m | --exec] script [args...] (run by `unison launch`)"
         )
-    die_with_launcher()
+    if not forked:
+        die_with_launcher()
     if entry == "program":
         exec_program(argv[0], argv[1:])
+    zygote = os.environ.get(ZYGOTE_ENV)
+    if zygote and not forked:
+        from unison.launch.stub import run_in_zygote
+
+        run_in_zygote(zygote, given)  # returns only when no zygote answers: this process runs it, cold
+        os.environ.pop(ZYGOTE_ENV, None)
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:

@@ -1,0 +1,293 @@
+"""The warm start: `unison launch` forks its workers from a process that has already imported torch.
+
+A cold worker is a fresh interpreter that imports torch (about 1.2 CPU-s) and `torch._dynamo`,
+which every `torch.optim` optimizer imports (about 1 CPU-s more): for a short job or a restart,
+most of a worker's start. So each launch starts one *zygote* beside torch's agent
+(`python -m unison.launch.zygote SOCKET`) that imports them once, and the agent's workers are
+forked from it:
+
+- torch's agent still starts, watches, signals and restarts every worker as it always does: it
+  runs `python -m unison.launch.worker script.py ...`, which imports no torch. With
+  `UNISON_ZYGOTE` set, that process (the *stub*, `launch.stub`) hands its stdin, stdout and
+  stderr, arguments, environment and folder to the zygote, which forks the worker; the stub then
+  forwards every signal it gets to the worker and ends as the worker ended (the same exit code,
+  or killed by the same signal), so the agent sees what it would have seen. If the stub is
+  killed (SIGKILL), the zygote kills the worker.
+- the forked worker leads a session of its own and dies with the zygote (`PR_SET_PDEATHSIG`),
+  which dies with the launcher; it then runs the same bootstrap (`launch.worker.main`) as a cold
+  one. torch's CPU generator and NumPy's global random state are seeded from the OS, as a new
+  interpreter's are (Python's `random` is reseeded by `os.fork` itself).
+- what is not the same: `ps` shows the worker as `python -m unison.launch.zygote` (its stub,
+  the agent's child, shows the script), and a variable a script sets for torch before
+  `import torch` is read too late (torch is already imported): set it in the launch's
+  environment instead, or start cold.
+
+Only CPU launches start warm (no `--gpus`, no NVIDIA or AMD device on the machine):
+forking after torch is imported is safe only while CUDA has not been touched, which this
+machine's tests cannot check on a GPU. `UNISON_WARM_START=0` starts every worker cold.
+
+>>> # the launcher: with Zygote.start(os.environ) as zygote: ... exported(zygote.env()) ...
+>>> # each stub (`launch.stub`): run_in_zygote(os.environ["UNISON_ZYGOTE"], ["train.py", "--epochs", "3"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import NoReturn
+
+from unison.env_names import LAUNCHER_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
+from unison.launch.rendezvous import end_leftovers
+from unison.launch.stub import REQUEST_HEADER
+
+__all__ = ["PRELOAD", "Zygote", "serve", "warm_start_allowed"]
+
+#: What the zygote imports before it forks: torch, the dynamo every optimizer imports, and the bootstrap.
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "unison",
+    "unison.launch.worker",
+)
+_PR_SET_PDEATHSIG = 1
+
+
+def warm_start_allowed(environ: Mapping[str, str], gpus: object, backend: str | None) -> bool:
+    """Whether a launch forks its workers from a zygote: on CPU machines, unless turned off.
+
+    >>> warm_start_allowed({"UNISON_WARM_START": "0"}, None, None)
+    False
+    """
+    if environ.get(WARM_START_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if gpus is not None or backend == "nccl" or not sys.platform.startswith("linux"):
+        return False
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` dies (Linux); end now if it already has."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+# ---- the launcher's side ---------------------------------------------------------------------
+class Zygote:
+    """The zygote process of one launch; a context manager that stops it (and so its workers).
+
+    >>> with Zygote.start() as zygote:  # doctest: +SKIP
+    ...     with exported(zygote.env()):
+    ...         launch_agent(config, sys.executable, args)
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], folder: str):
+        self.proc, self.folder = proc, folder
+        self.path = os.path.join(folder, "zygote.sock")
+
+    @classmethod
+    def start(cls) -> Zygote:
+        """Start the zygote with this process's environment (what the workers inherit)."""
+        folder = tempfile.mkdtemp(prefix="unison-zygote-")  # 0700: only this user reaches the socket
+        path = os.path.join(folder, "zygote.sock")
+        env = {**os.environ, LAUNCHER_PID_ENV: os.environ.get(LAUNCHER_PID_ENV, str(os.getpid()))}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unison.launch.zygote", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches the agent, which stops the workers
+        )
+        return cls(proc, folder)
+
+    def env(self) -> dict[str, str]:
+        """What the stubs need: the zygote's socket."""
+        return {ZYGOTE_ENV: self.path}
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the zygote; a worker still alive dies with it (its parent-death signal)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.remove(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+# ---- the zygote ------------------------------------------------------------------------------
+def _read_exact(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the stub went away mid-request")
+        data += chunk
+    return data
+
+
+def _receive_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """A stub's request: its three standard streams (passed as descriptors) and what to run."""
+    head, fds, _, _ = socket.recv_fds(conn, REQUEST_HEADER.size, 3)
+    if len(head) < REQUEST_HEADER.size:
+        head += _read_exact(conn, REQUEST_HEADER.size - len(head))
+    (size,) = REQUEST_HEADER.unpack(head)
+    request = json.loads(_read_exact(conn, size))
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
+    return request, fds
+
+
+def _reseed() -> None:
+    """Seed what a new interpreter seeds from the OS and this fork would share with its siblings:
+    torch's CPU generator and NumPy's global state (`random` is reseeded by `os.fork` itself)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and hasattr(numpy, "random"):
+        numpy.random.seed()
+
+
+def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> NoReturn:
+    """In the forked child: take the stub's streams, environment and folder, then run the bootstrap."""
+    try:
+        os.setsid()  # as torch's agent starts a cold worker: its own session
+        _die_with_parent(zygote)
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        env = request["env"]
+        assert isinstance(env, dict)
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.pop(ZYGOTE_ENV, None)  # the worker's environment is a cold worker's
+        os.chdir(str(request["cwd"]))
+        _reseed()
+        from unison.launch.worker import main
+
+        argv = request["argv"]
+        assert isinstance(argv, list)
+        main([str(a) for a in argv], forked=True)
+    except BaseException:  # noqa: BLE001  (nothing may return into the zygote's loop)
+        import traceback
+
+        traceback.print_exc()
+    os._exit(1)
+
+
+def serve(path: str) -> NoReturn:
+    """The zygote's loop: import `PRELOAD`, then fork a worker for each stub and report how it ended.
+
+    Single-threaded (forking is safe only then). The socket is bound before the imports, so the
+    stubs connect at once and wait in the backlog while torch loads.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit():
+        _die_with_parent(int(launcher))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    me = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the pipe
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "wake")
+    stubs: dict[int, socket.socket] = {}  # worker pid -> its stub's connection
+    while True:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    conn.settimeout(30)
+                    request, fds = _receive_request(conn)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    selector.close()
+                    for other in (listener, conn, *stubs.values()):
+                        other.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    _become_worker(request, fds, me)
+                for fd in fds:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"pid {pid}\n".encode())
+                conn.setblocking(False)
+                stubs[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 512)
+            else:  # a stub's connection: it only ever closes, when the stub is gone
+                pid = key.data
+                with contextlib.suppress(BlockingIOError, ConnectionError):
+                    if key.fileobj.recv(64):  # type: ignore[union-attr]
+                        continue
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)  # its stub was killed: so is the worker, as a cold one
+        _reap(stubs, selector, int(launcher) if launcher.isdigit() else None)
+
+
+def _reap(stubs: dict[int, socket.socket], selector: selectors.BaseSelector, launcher: int | None) -> None:
+    """Tell each ended worker's stub how it ended; end what the worker left in its session, as the
+    launcher does for a cold worker (`rendezvous.WatchWorkers`)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if launcher is not None:
+            end_leftovers({pid}, launcher)
+        conn = stubs.pop(pid, None)
+        if conn is not None:
+            selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                conn.setblocking(True)
+                conn.sendall(f"status {os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

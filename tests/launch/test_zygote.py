@@ -94,18 +94,8 @@ def _stub_of_rank(launcher: int, rank: str) -> psutil.Process | None:
 def test_a_killed_worker_process_takes_its_fork_down_and_the_restart_is_forked_again(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "unison.launch",
-        "--nproc",
-        "2",
-        "--max-restarts",
-        "1",
-        str(PROBE),
-        str(out),
-        "hold",
-    ]
+    restartable = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "1"]
+    cmd = [*restartable, str(PROBE), str(out), "hold"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -6,7 +6,8 @@ import subprocess
 from unison.distributed import rank_distrib, setup_distrib
 
 setup_distrib()
-pids = {os.getpid(), os.getppid()}  # this worker and torch's agent (the launcher)
+# this worker, its parent (the launch's zygote, or torch's agent when started cold) and the launcher
+pids = {os.getpid(), os.getppid(), int(os.environ["UNISON_LAUNCHER_PID"])}
 out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
 for line in out.splitlines():
     if any(f"pid={pid}," in line for pid in pids):

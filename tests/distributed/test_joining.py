@@ -11,21 +11,34 @@ from tests.hangs import communicate_or_report
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     import torch.distributed as dist
     from unison.distributed.joining import RankMonitor
 
-    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    rank, port, pid_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     monitor = RankMonitor(timeout=30)
     if rank == 1:  # joins, then dies before its first batch
+        with open(pid_file, "w") as fh:
+            fh.write(str(os.getpid()))
         dist.barrier()
         sys.exit(0)
     monitor.progress(type("Learn", (), {"epoch": 0, "training": True, "iter": 3})(), 0)
     dist.barrier()
-    # Ray Train tears its group down when a worker dies, before unison asks who stopped.
+
+    def ended(pid):  # gone, or a zombie its parent (the test) has not reaped yet
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    # Ray Train tears its group down when a worker has died (its exit hook run, which says it
+    # left), before unison asks who stopped. Under load rank 1's exit can lag rank 0 by seconds.
+    pid, deadline = int(open(pid_file).read()), time.monotonic() + 30
+    while not ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dist.destroy_process_group()
-    # Rank 1 says it left from its exit hook: on a loaded machine that can take seconds.
     found, deadline = monitor.diagnose(), time.monotonic() + 30
     while found is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -47,8 +60,9 @@ def test_the_rank_that_stopped_is_named_after_the_group_was_destroyed(tmp_path):
     # Processes of their own: destroying a default group must not touch the test session's pools.
     script, port = tmp_path / "monitor.py", str(_free_port())
     script.write_text(SCRIPT)
+    args = [port, str(tmp_path / "rank1.pid")]
     ranks = [
-        subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, str(script), str(r), *args], stdout=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]
     out = [communicate_or_report(p, 60)[0] for p in ranks]

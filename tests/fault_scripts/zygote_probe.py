@@ -4,13 +4,19 @@ zygote_probe.py OUT ok|exit3|sigkill|hold   (rank 1: exits 3, SIGKILLs itself, o
 """
 
 import json
+import logging
 import os
 import random
 import signal
 import sys
 import time
 
-preloaded = "torch._dynamo" in sys.modules  # imported before this script ran: a warm worker
+preloaded = "torch.fx.experimental.symbolic_shapes" in sys.modules  # imported before this script ran: warm
+# What a worker must not inherit (launch.zygote.NOT_PRELOADED: loaded before the gloo group, DDP's
+# teardown can deadlock); a cold worker has none of them before its script runs.
+inherited = [
+    m for m in ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules
+]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -25,10 +31,16 @@ record = {
     "file": __file__,
     "path0": sys.path[0],
     "preloaded": preloaded,
+    "inherited": inherited,
     "env": sorted(os.environ),
     "torch": torch.rand(4).tolist(),
     "numpy": np.random.rand(4).tolist(),
     "random": random.random(),
+    "parent": open(f"/proc/{os.getppid()}/cmdline").read().split("\0"),
+    "elastic_log": [  # the launcher quiets torch's agent loggers; a worker must not inherit that
+        (len(log.handlers), log.propagate, log.level)
+        for log in map(logging.getLogger, ("torch.distributed.elastic", "torch.distributed.launcher"))
+    ],
 }
 with open(os.path.join(out, f"rank{rank}.attempt{attempt}.json"), "w") as fh:
     json.dump(record, fh)

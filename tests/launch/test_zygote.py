@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.hangs import run_or_report
-from unison.launch.zygote import warm_start_allowed
+from unison.launch.zygote import Zygote, loaded_differently, warm_start_allowed
 
 PROBE = Path(__file__).resolve().parent.parent / "fault_scripts" / "zygote_probe.py"
 
@@ -52,9 +52,11 @@ def test_a_warm_worker_sees_what_a_cold_one_sees_and_draws_its_own_random_number
         proc = launch(out, "ok", warm=is_warm, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
     warm_ranks, cold_ranks = records(warm), records(cold)
-    assert [r["preloaded"] for r in warm_ranks] == [True, True]  # torch._dynamo was there before the script
+    assert [r["preloaded"] for r in warm_ranks] == [True, True]  # sympy's shapes were there before the script
     assert [r["preloaded"] for r in cold_ranks] == [False, False]
     assert warm_ranks[0]["ppid"] == warm_ranks[1]["ppid"]  # both forked by the one zygote
+    # ... which was forked from the launcher (it shares the launcher's torch), not a new interpreter
+    assert "unison.launch.zygote" not in warm_ranks[0]["parent"], warm_ranks[0]["parent"]
     for w, c in zip(warm_ranks, cold_ranks, strict=True):
         assert w["sid"] == w["pid"] and c["sid"] == c["pid"]  # each leads its own session
         assert w["ppid"] != c["ppid"]
@@ -63,6 +65,8 @@ def test_a_warm_worker_sees_what_a_cold_one_sees_and_draws_its_own_random_number
         assert w["argv"][1:] == [str(warm), "ok"] and c["argv"][1:] == [str(cold), "ok"]
         assert w["argv"][0] == c["argv"][0] == str(PROBE)
         assert w["env"] == c["env"]  # the variables the agent gave (none of the zygote's)
+        assert w["elastic_log"] == c["elastic_log"] == [[0, True, 0], [0, True, 0]]
+        assert w["inherited"] == c["inherited"] == []  # no dynamo, FSDP or DTensor before the script
     for source in ("torch", "numpy", "random"):  # seeded from the OS in each process, as a new interpreter is
         assert warm_ranks[0][source] != warm_ranks[1][source], source
 
@@ -126,8 +130,43 @@ def test_a_killed_worker_process_takes_its_fork_down_and_the_restart_is_forked_a
 @pytest.mark.procs
 def test_a_stub_whose_zygote_is_gone_runs_the_script_itself(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
-    script.write_text("import sys\nprint('ran;', 'torch._dynamo' in sys.modules)\n")
+    script.write_text("import sys\nprint('ran;', 'torch.fx.experimental.symbolic_shapes' in sys.modules)\n")
     env = {**os.environ, "UNISON_ZYGOTE": str(tmp_path / "gone" / "zygote.sock")}
     proc = run_or_report([sys.executable, "-m", "unison.launch.worker", str(script)], 60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ran; False"
+
+
+def test_only_variables_read_when_a_library_loads_keep_a_worker_from_the_zygote() -> None:
+    loaded = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "THP_MEM_ALLOC_ENABLE": "1", "RANK": "0"}
+    same = {
+        **loaded,
+        "RANK": "1",
+        "MASTER_PORT": "29500",
+        "OMP_NUM_THREADS": "1",
+    }  # per rank; applied at start
+    assert loaded_differently(same, loaded) is None
+    assert loaded_differently({**same, "THP_MEM_ALLOC_ENABLE": "0"}, loaded) == "THP_MEM_ALLOC_ENABLE"
+    assert loaded_differently({**same, "LD_PRELOAD": "libx.so"}, loaded) == "LD_PRELOAD"
+    assert loaded_differently({**same, "TORCHINDUCTOR_CACHE_DIR": "/c"}, loaded) == "TORCHINDUCTOR_CACHE_DIR"
+    gone = {k: v for k, v in same.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    assert loaded_differently(gone, loaded) == "THP_MEM_ALLOC_ENABLE"
+
+
+@pytest.mark.procs
+def test_a_worker_whose_library_settings_differ_from_the_zygotes_starts_cold(tmp_path: Path) -> None:
+    """A zygote started as a new interpreter (a launcher that cannot fork: it runs threads, or has
+    torch loaded already) forks a worker loaded alike; one with another THP_MEM_ALLOC_ENABLE runs cold."""
+    script = tmp_path / "script.py"
+    warm_check = "'torch.fx.experimental.symbolic_shapes' in sys.modules"
+    script.write_text(f"import os, sys\nprint('warm:', {warm_check}, os.environ['THP_MEM_ALLOC_ENABLE'])\n")
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    with Zygote.start(env) as zygote:
+        assert zygote.proc is not None  # a new interpreter (fork=False)
+        for thp, warm in (("1", True), ("0", False)):
+            worker_env = {**env, **zygote.env(), "THP_MEM_ALLOC_ENABLE": thp}
+            proc = run_or_report(
+                [sys.executable, "-m", "unison.launch.worker", str(script)], 90, env=worker_env
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.strip() == f"warm: {warm} {thp}"

@@ -14,8 +14,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from unison.distributed.slurm import is_srun_task, srun_layout
 from unison.env_names import HUGE_PAGES_ENV, LAUNCHER_THREADS_ENV
 
@@ -91,6 +89,8 @@ def _check_rank(rank: int, world: int) -> None:
 
 def group_active() -> bool:
     """True when this process belongs to an initialised default process group."""
+    import torch.distributed as dist  # here, not above: `unison launch` reads this module before torch loads
+
     return dist.is_available() and dist.is_initialized()
 
 
@@ -101,6 +101,8 @@ def rank_distrib() -> int:
     0
     """
     if group_active():
+        import torch.distributed as dist
+
         return dist.get_rank()
     return DistribEnv.from_environ().rank
 
@@ -112,6 +114,8 @@ def num_distrib() -> int:
     1
     """
     if group_active():
+        import torch.distributed as dist
+
         return dist.get_world_size()
     return DistribEnv.from_environ().world_size
 

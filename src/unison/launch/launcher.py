@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,7 +65,7 @@ from unison.launch.rendezvous import (
 )
 from unison.launch.signals import PREEMPTED_EXIT
 from unison.launch.worker import ENTRY_FLAGS
-from unison.launch.zygote import Zygote, warm_start_allowed
+from unison.launch.zygote import Zygote, can_fork, warm_start_allowed
 
 if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig
@@ -338,7 +338,6 @@ class LaunchPlan:
     logs: RankLogsSpecs | None = None
     gloo_interface: str | None = None
     notes: list[str] = field(default_factory=list)  # lines printed after `describe`'s
-    warm: bool = False  # workers forked from a zygote that has imported torch (`launch.zygote`)
 
     def describe(self, opts: LaunchOptions) -> str:
         """One line about the launch, for the console."""
@@ -445,9 +444,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         args.append(f"--local_rank={macros.local_rank}")
     args.extend(opts.script_args)
     note = sharing_note(others, opts.nproc, int(env["OMP_NUM_THREADS"]))
-    warm = opts.torchrun.entry != "program" and warm_start_allowed(os.environ, opts.gpus, opts.backend)
     notes = [note] if note else []
-    return LaunchPlan(config, args, env, logs, gloo_interface=gloo, notes=notes, warm=warm)
+    return LaunchPlan(config, args, env, logs, gloo_interface=gloo, notes=notes)
 
 
 def launch(opts: LaunchOptions) -> int:
@@ -456,6 +454,8 @@ def launch(opts: LaunchOptions) -> int:
     >>> launch(parse_options(["--nproc", "2", "train.py"]))
     0
     """
+    warm = opts.torchrun.entry != "program" and warm_start_allowed(os.environ, opts.gpus, opts.backend)
+    zygote = _start_zygote() if warm else None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
@@ -468,6 +468,8 @@ def launch(opts: LaunchOptions) -> int:
             check_rdzv_endpoint(opts.rdzv_endpoint, opts.rdzv_id)
         except LaunchError as exc:
             print(f"unison launch: error: {exc}", file=sys.stderr)
+            if zygote is not None:
+                zygote.stop()
             return 2
     log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
     # Output kept off the console (--redirects) is never dropped: its files outlive the launch.
@@ -495,9 +497,9 @@ def launch(opts: LaunchOptions) -> int:
                 print(f"unison launch: lighthouse serving at {lighthouse}", file=sys.stderr, flush=True)
                 plan.env[LIGHTHOUSE_ENV] = lighthouse
             bars = relay.env() if relay else {}
-            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars}), _zygote(plan) as warm:
-                with exported(warm):
-                    launch_agent(plan.config, sys.executable, plan.args)
+            warm_env = zygote.env() if zygote else {}
+            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars, **warm_env}):
+                launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
         if said_preempted(log_dir, None):  # the signal reached the workers, not this launcher
@@ -543,6 +545,8 @@ def launch(opts: LaunchOptions) -> int:
         print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if zygote is not None:
+            zygote.stop()
         sys.stdout.flush()
         if not keep_logs and not (plan and plan.logs and plan.logs.console_lost):  # else they hold the output
             shutil.rmtree(log_dir, ignore_errors=True)
@@ -574,14 +578,19 @@ def _bar_relay(logs: RankLogsSpecs) -> BarRelay | None:
     return relay
 
 
-@contextlib.contextmanager
-def _zygote(plan: LaunchPlan) -> Iterator[dict[str, str]]:
-    """The warm start's zygote for this launch (started with the workers' environment), or nothing."""
-    if not plan.warm:
-        yield {}
-        return
-    with Zygote.start() as zygote:
-        yield zygote.env()
+def _start_zygote() -> Zygote:
+    """The warm start's zygote (`launch.zygote`), forked right after this process imports torch, when
+    it can be: before torch's agent modules load here (a worker forked with them loaded deadlocked
+    at exit in gloo's teardown, 2 runs in 8 of examples/ddp_tutorial) and before anything changes
+    torch's state (its loggers) or starts a thread. torch reads THP_MEM_ALLOC_ENABLE once, so it is
+    set before torch loads (the workers get it anyway)."""
+    from unison.distributed.env import huge_pages_env
+
+    fork = can_fork()
+    os.environ.update(huge_pages_env())
+    import torch  # noqa: F401  (the zygote shares this import with the launcher)
+
+    return Zygote.start(fork=fork)
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

@@ -87,7 +87,8 @@ def _end_as(code: int) -> NoReturn:
 def run_in_zygote(path: str, argv: list[str]) -> None:
     """Be the stub of a worker forked by the zygote at `path`; never returns once it has one.
 
-    Returns (start cold, then) only when no zygote answers at `path`.
+    Returns (start cold, then) only when no zygote answers at `path`, or it answers `cold NAME`:
+    the worker's `NAME` (read when a library loads) differs from what the zygote loaded under.
     """
     sock = _connect(path)
     if sock is None:
@@ -115,7 +116,7 @@ def run_in_zygote(path: str, argv: list[str]) -> None:
         return
     reader = sock.makefile("r")
     line = reader.readline()
-    if not line.startswith("pid "):  # the zygote died before it forked (its imports failed): start cold
+    if not line.startswith("pid "):  # `cold NAME`, or the zygote died before it forked: start cold
         sock.close()
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)

@@ -1,11 +1,16 @@
 """The warm start: `unison launch` forks its workers from a process that has already imported torch.
 
 A cold worker is a fresh interpreter that imports torch (about 1.2 CPU-s) and `torch._dynamo`,
-which every `torch.optim` optimizer imports (about 1 CPU-s more): for a short job or a restart,
-most of a worker's start. So each launch starts one *zygote* beside torch's agent
-(`python -m unison.launch.zygote SOCKET`) that imports them once, and the agent's workers are
-forked from it:
+which every `torch.optim` optimizer imports (about 0.8 CPU-s more): for a short job or a restart,
+most of a worker's start. So each launch has one *zygote* beside torch's agent that imports torch
+and a third of dynamo's cost once (`PRELOAD`; not dynamo itself, see `NOT_PRELOADED`), and the
+agent's workers are forked from it:
 
+- the zygote is forked from the launcher itself, right after the launcher has imported torch
+  for its agent and before it changes anything of torch's (its loggers) or starts a thread; it
+  then imports the rest of `PRELOAD`, beside the launcher. A launcher that
+  cannot fork safely (`can_fork`: torch already loaded, or other threads running, as when a
+  program calls `launch` itself) starts it as a new interpreter, `python -m unison.launch.zygote`.
 - torch's agent still starts, watches, signals and restarts every worker as it always does: it
   runs `python -m unison.launch.worker script.py ...`, which imports no torch. With
   `UNISON_ZYGOTE` set, that process (the *stub*, `launch.stub`) hands its stdin, stdout and
@@ -13,12 +18,15 @@ forked from it:
   forwards every signal it gets to the worker and ends as the worker ended (the same exit code,
   or killed by the same signal), so the agent sees what it would have seen. If the stub is
   killed (SIGKILL), the zygote kills the worker.
+- a variable read once, when a library loads (`THP_MEM_ALLOC_ENABLE`, `LD_PRELOAD`, `PYTHON*`,
+  `OMP_*` but the thread count, which the bootstrap applies, `TORCHINDUCTOR_*`, ...), must have
+  the value the zygote loaded under; a worker whose value differs runs cold (its stub runs it).
 - the forked worker leads a session of its own and dies with the zygote (`PR_SET_PDEATHSIG`),
   which dies with the launcher; it then runs the same bootstrap (`launch.worker.main`) as a cold
   one. torch's CPU generator and NumPy's global random state are seeded from the OS, as a new
   interpreter's are (Python's `random` is reseeded by `os.fork` itself).
-- what is not the same: `ps` shows the worker as `python -m unison.launch.zygote` (its stub,
-  the agent's child, shows the script), and a variable a script sets for torch before
+- what is not the same: `ps` shows the worker with the launcher's command line (its stub, the
+  agent's child, shows the script), and a variable a script sets for torch before
   `import torch` is read too late (torch is already imported): set it in the launch's
   environment instead, or start cold.
 
@@ -26,7 +34,7 @@ Only CPU launches start warm (no `--gpus`, no NVIDIA or AMD device on the machin
 forking after torch is imported is safe only while CUDA has not been touched, which this
 machine's tests cannot check on a GPU. `UNISON_WARM_START=0` starts every worker cold.
 
->>> # the launcher: with Zygote.start(os.environ) as zygote: ... exported(zygote.env()) ...
+>>> # the launcher: with Zygote.start(fork=can_fork()) as zygote: ... exported(zygote.env()) ...
 >>> # each stub (`launch.stub`): run_in_zygote(os.environ["UNISON_ZYGOTE"], ["train.py", "--epochs", "3"])
 """
 
@@ -43,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping
 from typing import NoReturn
 
@@ -50,18 +59,32 @@ from unison.env_names import LAUNCHER_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
 from unison.launch.stub import REQUEST_HEADER
 
-__all__ = ["PRELOAD", "Zygote", "serve", "warm_start_allowed"]
+__all__ = ["NOT_PRELOADED", "PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
 
-#: What the zygote imports before it forks: torch, the dynamo every optimizer imports, and the bootstrap.
+#: What the zygote imports before it forks: torch, sympy and torch.fx's symbolic shapes (a third of
+#: what `torch._dynamo`, which every `torch.optim` optimizer imports, costs), and the bootstrap.
 PRELOAD = (
     "torch",
-    "torch._dynamo",
+    "torch.fx.experimental.symbolic_shapes",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing.errors",
     "unison",
     "unison.launch.worker",
 )
+#: What a worker must not inherit. `torch._dynamo` imports FSDP and DTensor, and a process that
+#: imported them before its gloo group existed deadlocked in DDP's teardown (`del ddp` after
+#: `destroy_process_group`, pytorch/pytorch#56297): examples/ddp_tutorial, 4 runs in 15 with
+#: dynamo loaded first, 5 in 15 with FSDP, 0 in 30 as torchrun starts it. A cold worker imports
+#: them when its script does (its optimizer), after its group exists; so does a warm one.
+NOT_PRELOADED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor")
 _PR_SET_PDEATHSIG = 1
+# Variables read once, when a library loads (the dynamic loader, Python, libgomp, MKL, OpenBLAS,
+# torch's allocator, logging and compiler settings): a worker forked from a zygote that loaded
+# under another value would silently run with the zygote's, so such a worker starts cold instead.
+_LOAD_TIME_PREFIXES = ("LD_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTORCH_")
+_LOAD_TIME_PREFIXES += ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE")
+_LOAD_TIME_NAMES = ("THP_MEM_ALLOC_ENABLE", "TORCH_LOGS", "GOTO_NUM_THREADS")
+_APPLIED_BY_WORKER = ("OMP_NUM_THREADS",)  # `launch.worker.set_threads` applies it to torch
 
 
 def warm_start_allowed(environ: Mapping[str, str], gpus: object, backend: str | None) -> bool:
@@ -96,16 +119,29 @@ class Zygote:
     ...         launch_agent(config, sys.executable, args)
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], folder: str):
-        self.proc, self.folder = proc, folder
+    def __init__(self, pid: int, folder: str, proc: subprocess.Popen[bytes] | None = None):
+        self.pid, self.folder, self.proc = pid, folder, proc
         self.path = os.path.join(folder, "zygote.sock")
 
     @classmethod
-    def start(cls) -> Zygote:
-        """Start the zygote with this process's environment (what the workers inherit)."""
+    def start(cls, env: Mapping[str, str] | None = None, *, fork: bool = False) -> Zygote:
+        """Start the zygote with `env` (this process's environment by default: what the workers inherit).
+
+        `fork=True` (see `can_fork`): fork it from this process, which has imported torch and
+        nothing else yet; the zygote then imports only the rest of `PRELOAD` (about 0.9 CPU-s less
+        than a fresh interpreter). Else it is a fresh interpreter, `python -m unison.launch.zygote`.
+        """
         folder = tempfile.mkdtemp(prefix="unison-zygote-")  # 0700: only this user reaches the socket
         path = os.path.join(folder, "zygote.sock")
-        env = {**os.environ, LAUNCHER_PID_ENV: os.environ.get(LAUNCHER_PID_ENV, str(os.getpid()))}
+        env = {**(os.environ if env is None else env)}
+        env[LAUNCHER_PID_ENV] = env.get(LAUNCHER_PID_ENV, str(os.getpid()))
+        if fork:
+            sys.stdout.flush()  # else the zygote holds a copy of what is buffered, and a worker prints it
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _serve_forked(path, env)
+            return cls(pid, folder)
         proc = subprocess.Popen(
             [sys.executable, "-m", "unison.launch.zygote", path],
             stdin=subprocess.DEVNULL,
@@ -113,7 +149,7 @@ class Zygote:
             env=env,
             start_new_session=True,  # a Ctrl-C at the terminal reaches the agent, which stops the workers
         )
-        return cls(proc, folder)
+        return cls(proc.pid, folder, proc)
 
     def env(self) -> dict[str, str]:
         """What the stubs need: the zygote's socket."""
@@ -127,17 +163,76 @@ class Zygote:
 
     def stop(self) -> None:
         """End the zygote; a worker still alive dies with it (its parent-death signal)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
         with contextlib.suppress(OSError):
             os.remove(self.path)
         with contextlib.suppress(OSError):
             os.rmdir(self.folder)
 
 
+def can_fork() -> bool:
+    """Whether `Zygote.start` may fork this process: torch not loaded yet (so it loads under the
+    environment the launcher sets first, such as `THP_MEM_ALLOC_ENABLE`) and no other Python
+    thread (forking is safe only then).
+
+    >>> can_fork() in (True, False)
+    True
+    """
+    return "torch" not in sys.modules and threading.active_count() == 1
+
+
+def _serve_forked(path: str, env: Mapping[str, str]) -> NoReturn:
+    """In the zygote forked from the launcher: leave its session and streams, then `serve`."""
+    try:
+        os.setsid()  # a Ctrl-C at the terminal reaches the agent, which stops the workers
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        os.closerange(3, _open_fd_limit())  # as a fresh interpreter's Popen would (stderr is kept)
+        os.environ.clear()
+        os.environ.update(env)
+        serve(path)
+    except BaseException:  # noqa: BLE001  (nothing may return into the launcher's code)
+        import traceback
+
+        traceback.print_exc()
+    os._exit(1)
+
+
+def _open_fd_limit() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if 0 < soft < 1 << 20 else 1 << 16
+
+
 # ---- the zygote ------------------------------------------------------------------------------
+def loaded_differently(env: Mapping[str, str], loaded: Mapping[str, str]) -> str | None:
+    """The first variable read at library load whose value in a worker's `env` is not the one the
+    zygote `loaded` under, or None (the worker may be forked).
+
+    >>> loaded_differently({"THP_MEM_ALLOC_ENABLE": "1", "RANK": "1"}, {"RANK": "0"})
+    'THP_MEM_ALLOC_ENABLE'
+    """
+    for name in sorted(set(env) | set(loaded)):
+        if name in _APPLIED_BY_WORKER:
+            continue
+        if (name in _LOAD_TIME_NAMES or name.startswith(_LOAD_TIME_PREFIXES)) and env.get(name) != loaded.get(
+            name
+        ):
+            return name
+    return None
+
+
 def _read_exact(conn: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
@@ -213,6 +308,8 @@ def serve(path: str) -> NoReturn:
     stubs connect at once and wait in the backlog while torch loads.
     """
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    loaded = dict(os.environ)
+    inherited = [name for name in NOT_PRELOADED if name in sys.modules]
     if launcher.isdigit():
         _die_with_parent(int(launcher))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -220,6 +317,7 @@ def serve(path: str) -> NoReturn:
     listener.listen(128)
     for name in PRELOAD:
         importlib.import_module(name)
+    inherited += [name for name in NOT_PRELOADED if name in sys.modules and name not in inherited]
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -237,6 +335,16 @@ def serve(path: str) -> NoReturn:
                     conn.settimeout(30)
                     request, fds = _receive_request(conn)
                 except (OSError, ValueError):
+                    conn.close()
+                    continue
+                env = request.get("env")
+                cold = loaded_differently(env, loaded) if isinstance(env, dict) else "env"
+                cold = cold or (inherited[0] if inherited else None)  # (a launcher that had loaded it)
+                if cold is not None:  # the stub runs the worker itself
+                    for fd in fds:
+                        os.close(fd)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"cold {cold}\n".encode())
                     conn.close()
                     continue
                 pid = os.fork()

@@ -188,8 +188,9 @@ def run_tutorial(cmd: list[str], env: dict[str, str], folder: Path, before: Path
     bootstrap imported FSDP/DTensor (fixed: tests/launch/test_worker.py); 0 in 12 since, and
     0 in 10 under torchrun. The first warm start preloaded `torch._dynamo` (which loads FSDP and
     DTensor) in its zygote and raised it to about 1 launch in 5 (4 in 15 with dynamo loaded
-    before the group, 0 in 30 without); the zygote no longer preloads them (launch.zygote). The same teardown can also abort the rank instead ("terminate called
-    without an active exception"): seen once under torchrun itself, in a quiet full run. Should
+    before the group, 0 in 30 without); the zygote no longer preloads them (launch.zygote).
+    The same teardown can also abort the rank instead ("terminate called without an active
+    exception"): seen once under torchrun itself, in a quiet full run. Should
     either happen, a launch whose every rank printed its final weights and then hung or aborted
     is run once more, from the same starting files; torchrun's own run too.
     """

@@ -119,6 +119,9 @@ def test_two_bridged_processes_train_as_fastai_alone_on_one(
     # and the accuracy is the one computed here from get_preds over the 201 rows
     accuracy = float((b["preds"].argmax(1) == b["targs"].view(-1)).double().mean())
     assert abs(b["values"][-1][2] - accuracy) < 1e-6
+    # Leaving distrib_ctx freed the DDP wrapper while the group was alive: freed after, it took the
+    # group down with it, without the settle that avoids torch's gloo teardown deadlock (#56297).
+    assert b["ddp_freed_in_group"] == [True]
 
 
 @pytest.mark.launch

@@ -199,21 +199,31 @@ def test_another_jobs_oom_kill_is_not_blamed_for_a_kill_9(tmp_path):
         pytest.skip(f"this process has no memory cgroup of its own here ({count})")
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script), str(tmp_path)]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not (tmp_path / "ready").exists():
-            assert job.poll() is None and time.monotonic() < deadline, "the worker did not start"
-            time.sleep(0.05)
-        machine = Path("/proc/vmstat").read_text()
-        with memory_cgroup(100_000_000, inside_own=False) as other_job:
-            assert _run_out_of_memory(other_job) == -9
-        assert Path("/proc/vmstat").read_text() != machine  # the machine's count rose
-        (tmp_path / "go").touch()
-        _, err = communicate_or_report(job, 90)
-    finally:
-        job.kill()
+    launch = [sys.executable, "-m", "unison.launch", "--nproc", "1", str(script), str(tmp_path)]
+    # The job runs in a memory cgroup of its own, as a cluster's job does: this machine's tests share
+    # one, where another test's OOM kill (another xdist worker, a second copy of the suite) counts.
+    with memory_cgroup(8_000_000_000) as own_job:
+        cmd = ["sh", "-c", f'echo $$ > {own_job / "cgroup.procs"} && exec "$@"', "sh", *launch]
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 90
+            while not (tmp_path / "ready").exists():
+                assert job.poll() is None and time.monotonic() < deadline, "the worker did not start"
+                time.sleep(0.05)
+            machine = Path("/proc/vmstat").read_text()
+            # another job's process, and one of another test beside this one (this session's cgroup)
+            with (
+                memory_cgroup(100_000_000, inside_own=False) as other_job,
+                memory_cgroup(100_000_000) as beside,
+            ):
+                assert _run_out_of_memory(other_job) == -9
+                assert _run_out_of_memory(beside) == -9
+                assert Path("/proc/vmstat").read_text() != machine  # the machine's count rose
+                (tmp_path / "go").touch()
+                _, err = communicate_or_report(job, 90)
+        finally:
+            job.kill()
+            job.wait()
     assert job.returncode == 137, err[-3000:]
     assert "unison launch: rank 0 failed (signal SIGKILL)" in err, err[-3000:]
     assert "OOM killer (out of memory): it ended" not in err, err[-3000:]

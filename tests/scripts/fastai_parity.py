@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -105,7 +106,10 @@ if args.plain:
     preds, targs = learn.get_preds()
 else:
     resume = {"checkpoint_every": args.every, "resume": True} if args.every else {}
+    freed_in_group: list[bool] = []  # whether the group was alive when the DDP wrapper was freed
     with distrib_ctx(learn, timeout=20, sync_bn=not args.no_sync_bn, **resume):
+        if world > 1:
+            weakref.finalize(learn.model, lambda: freed_in_group.append(torch.distributed.is_initialized()))
         learn.fit_one_cycle(args.epochs, 1e-2)
         values = [[float(v) for v in row] for row in learn.recorder.values]
         final = [float(v) for v in learn.validate()]  # (a resumed run's recorder holds only its epochs)
@@ -119,6 +123,7 @@ if rank_distrib() == 0:
             "losses": steps.losses,
             "preds": preds.detach().clone(),
             "targs": targs.detach().clone(),
+            "ddp_freed_in_group": None if args.plain else freed_in_group,
         },
         args.out,
     )

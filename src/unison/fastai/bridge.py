@@ -369,6 +369,11 @@ class UnisonBridge(fastai_core.Callback):
     # ---- leaving ------------------------------------------------------------------------
     def restore(self) -> None:
         """The learner's model as it was (unwrapped, BatchNorm plain) and the process group left."""
+        # fastai's reference to the DDP wrapper goes first, so that its last one goes while the group
+        # is alive and the group itself is destroyed after gloo's threads settle (destroy_group).
+        # Dropped after that, it freed the group with it, unsettled: DDP's teardown deadlock
+        # (pytorch/pytorch#56297), a rank hung in a loaded full run.
+        self.learn.model = self.host.raw_model
         engine.detach_strategy(self.host)
         self.learn.model = self.host.model
         self.shards.clear()

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 out, mode = sys.argv[1], sys.argv[2]
+range_of_signals = [sig for sig in signal.valid_signals() if sig < signal.SIGRTMIN]
 rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 record = {
     "pid": os.getpid(),
@@ -36,6 +37,8 @@ record = {
     "torch": torch.rand(4).tolist(),
     "numpy": np.random.rand(4).tolist(),
     "random": random.random(),
+    # how each signal is handled: a new interpreter ignores SIGPIPE and SIGXFSZ, and so must a fork
+    "signals": {sig.name: getattr(signal.getsignal(sig), "name", "a handler") for sig in range_of_signals},
     "parent": open(f"/proc/{os.getppid()}/cmdline").read().split("\0"),
     "elastic_log": [  # the launcher quiets torch's agent loggers; a worker must not inherit that
         (len(log.handlers), log.propagate, log.level)

@@ -67,6 +67,8 @@ def test_a_warm_worker_sees_what_a_cold_one_sees_and_draws_its_own_random_number
         assert w["env"] == c["env"]  # the variables the agent gave (none of the zygote's)
         assert w["elastic_log"] == c["elastic_log"] == [[0, True, 0], [0, True, 0]]
         assert w["inherited"] == c["inherited"] == []  # no dynamo, FSDP or DTensor before the script
+        assert w["signals"] == c["signals"]
+        assert c["signals"]["SIGPIPE"] == "SIG_IGN"  # (a write to a dead peer's socket: EPIPE)
     for source in ("torch", "numpy", "random"):  # seeded from the OS in each process, as a new interpreter is
         assert warm_ranks[0][source] != warm_ranks[1][source], source
 

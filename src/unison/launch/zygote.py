@@ -274,8 +274,11 @@ def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> N
         os.setsid()  # as torch's agent starts a cold worker: its own session
         _die_with_parent(zygote)
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        # As a new interpreter: a write to a closed pipe or socket (a dead peer's gloo connection)
+        # raises EPIPE instead of killing the process (it died of SIGPIPE before its failed peer).
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["FORWARDED", "REQUEST_HEADER", "run_in_zygote"]
+__all__ = ["FORWARDED", "REQUEST_HEADER", "catchable_signals", "run_in_zygote"]
 
 #: The signals a stub passes on to its worker (torch's agent's death signal, the preemption ones).
 FORWARDED = (
@@ -60,6 +60,17 @@ def _connect(path: str) -> socket.socket | None:
         except OSError:  # refused: nothing listens there any more
             sock.close()
             return None
+
+
+def catchable_signals() -> list[signal.Signals]:
+    """The standard signals a process can handle or ignore (not SIGKILL, SIGSTOP, real-time ones)."""
+    return [
+        sig
+        for sig in signal.valid_signals()
+        if isinstance(sig, signal.Signals)
+        and sig < signal.SIGRTMIN
+        and sig not in (signal.SIGKILL, signal.SIGSTOP)
+    ]
 
 
 def _stopped(pid: int) -> bool:
@@ -105,9 +116,13 @@ def run_in_zygote(path: str, argv: list[str]) -> None:
             if signum != signal.SIGCONT and _stopped(worker[0]):  # frozen: let it act on the signal
                 os.kill(worker[0], signal.SIGCONT)
 
+    # What a cold worker would start with: the signals ignored in this new interpreter, started by
+    # torch's agent as it starts a worker (the worker ignores the same ones), before the forwarding.
+    ignored = [int(sig) for sig in catchable_signals() if signal.getsignal(sig) == signal.SIG_IGN]
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "ignored": ignored}
+    request = json.dumps(request).encode()
     try:
         socket.send_fds(sock, [REQUEST_HEADER.pack(len(request))], [0, 1, 2])
         sock.sendall(request)

@@ -57,7 +57,7 @@ from typing import NoReturn
 
 from unison.env_names import LAUNCHER_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
-from unison.launch.stub import REQUEST_HEADER
+from unison.launch.stub import REQUEST_HEADER, catchable_signals
 
 __all__ = ["NOT_PRELOADED", "PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
 
@@ -274,12 +274,19 @@ def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> N
         os.setsid()  # as torch's agent starts a cold worker: its own session
         _die_with_parent(zygote)
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        # As a new interpreter: a write to a closed pipe or socket (a dead peer's gloo connection)
-        # raises EPIPE instead of killing the process (it died of SIGPIPE before its failed peer).
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Each signal handled as in a cold worker, which its stub is: ignored where the stub's ignored
+        # (SIGPIPE by every interpreter: a write to a dead peer's socket raises EPIPE instead of
+        # killing; what the launcher's parent ignored and torch's agent does not catch), else the
+        # default. The launcher's own dispositions, which this fork inherited, do not reach it.
+        ignored = request.get("ignored", [int(signal.SIGPIPE), int(signal.SIGXFSZ)])
+        assert isinstance(ignored, list)
+        for sig in catchable_signals():
+            if signal.getsignal(sig) is None:  # a handler set outside Python (faulthandler's): kept
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_IGN if int(sig) in ignored else signal.SIG_DFL)
+        if int(signal.SIGINT) not in ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in fds:

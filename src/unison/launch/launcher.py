@@ -580,10 +580,9 @@ def _bar_relay(logs: RankLogsSpecs) -> BarRelay | None:
 
 def _start_zygote() -> Zygote:
     """The warm start's zygote (`launch.zygote`), forked right after this process imports torch, when
-    it can be: before torch's agent modules load here (a worker forked with them loaded deadlocked
-    at exit in gloo's teardown, 2 runs in 8 of examples/ddp_tutorial) and before anything changes
-    torch's state (its loggers) or starts a thread. torch reads THP_MEM_ALLOC_ENABLE once, so it is
-    set before torch loads (the workers get it anyway)."""
+    it can be (`can_fork`): before anything here changes torch's state (its loggers) or starts a
+    thread, and before torch's agent modules load, which a worker need not carry. torch reads
+    THP_MEM_ALLOC_ENABLE once, so it is set before torch loads (the workers get it anyway)."""
     from unison.distributed.env import huge_pages_env
 
     fork = can_fork()

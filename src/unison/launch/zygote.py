@@ -319,7 +319,6 @@ def serve(path: str) -> NoReturn:
     """
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
     loaded = dict(os.environ)
-    inherited = [name for name in NOT_PRELOADED if name in sys.modules]
     if launcher.isdigit():
         _die_with_parent(int(launcher))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -327,7 +326,7 @@ def serve(path: str) -> NoReturn:
     listener.listen(128)
     for name in PRELOAD:
         importlib.import_module(name)
-    inherited += [name for name in NOT_PRELOADED if name in sys.modules and name not in inherited]
+    inherited = [name for name in NOT_PRELOADED if name in sys.modules]  # (a launcher that had loaded it)
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -349,7 +348,7 @@ def serve(path: str) -> NoReturn:
                     continue
                 env = request.get("env")
                 cold = loaded_differently(env, loaded) if isinstance(env, dict) else "env"
-                cold = cold or (inherited[0] if inherited else None)  # (a launcher that had loaded it)
+                cold = cold or (inherited[0] if inherited else None)
                 if cold is not None:  # the stub runs the worker itself
                     for fd in fds:
                         os.close(fd)

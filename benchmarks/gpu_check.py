@@ -4,8 +4,9 @@
 
 Each row runs in its own process(es) (`unison launch`, `unison.spawn`, or a plain process) and
 prints one `GPUCHECK <row> PASS|FAIL <detail>` line; the driver prints a table and exits 1 if a
-row failed. Without CUDA it says so and exits 0 (CI runs nothing here). Rows needing two GPUs
-are skipped on a one-GPU machine.
+row failed. Without CUDA it says so and exits 0 (CI runs nothing here). On a one-GPU machine the
+multi-process rows run on that GPU alone (NCCL with one rank: the CUDA paths, not the all-reduce);
+the rows that need two ranks on two GPUs (mapping, stall, rollback) are skipped.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def _learner(bs, path=".", cbs=(), dropout=0.0, loss=None, sgd=False):
     return Learner(dls, model, loss, opt_func=opt, lr=1e-2, path=path, cbs=list(cbs))
 
 
+def _device():
+    """cuda where there is one; the CPU lets a row's logic be tried without a GPU (it then fails)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
@@ -99,7 +107,8 @@ def case_ddp_syncbn(args):
     with _quiet():
         single.fit(2)
     diff = _max_diff(_state(single), _state(multi))
-    ok = seen["backend"] == "nccl" and seen["sync_bn"] and devices == [0, 1] and diff < 1e-4
+    on_own_gpus = devices == list(range(len(devices)))
+    ok = seen["backend"] == "nccl" and seen["sync_bn"] and on_own_gpus and diff < 1e-4
     return ok, f"backend {seen['backend']}, sync_bn {seen['sync_bn']}, devices {devices}, max diff {diff:.1e}"
 
 
@@ -171,19 +180,19 @@ def case_bf16(args):
 
 
 def case_resumable(args):
-    """Trains with a checkpoint each step; rank 1 kills itself at step 5 of the first attempt."""
+    """Trains with a checkpoint each step; the last rank kills itself at step 5 of the first attempt."""
     import signal
 
     import torch
 
     from unison import Checkpoint
-    from unison.distributed import rank_distrib
+    from unison.distributed import num_distrib, rank_distrib
 
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def kill(learn):
         kill.steps = getattr(kill, "steps", 0) + 1
-        if args.kill and first and kill.steps == 5 and rank_distrib() == 1:
+        if args.kill and first and kill.steps == 5 and rank_distrib() == num_distrib() - 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
     learn = _learner(bs=8, path=args.dir, dropout=0.2, cbs=[Checkpoint(every=1)])
@@ -243,8 +252,9 @@ def case_to_parallel(args):
     single.model.cuda()
     with _quiet():
         single.fit(1)
+    gpus = list(range(min(torch.cuda.device_count(), 2)))
     dp = _learner(bs=16, sgd=True)
-    with _quiet(), dp.parallel_ctx([0, 1]):
+    with _quiet(), dp.parallel_ctx(gpus):
         dp.fit(1)
     diff = _max_diff(_state(single), _state(dp))
 
@@ -257,7 +267,7 @@ def case_to_parallel(args):
 
     bf = _learner(bs=16, cbs=[MixedPrecision("bf16")])
     bf.model = nn.Sequential(Record(), *bf.model)
-    with _quiet(), bf.parallel_ctx([0, 1]):
+    with _quiet(), bf.parallel_ctx(gpus):
         bf.fit(1)
     ok = diff < 1e-4 and dtypes == {torch.bfloat16}
     return ok, f"max diff to one GPU {diff:.1e}, replica autocast dtypes {sorted(map(str, dtypes))}"
@@ -289,6 +299,73 @@ def case_rollback(args):
     return ok, f"refused {refused}, model / optimizer state / loss weight on {sorted(places)}"
 
 
+def case_fsdp(args):
+    """FSDP2 (`distrib_ctx(shard=True)`) on the GPUs equals one GPU at the global batch; bf16 learns."""
+    import math
+
+    import torch.distributed as dist
+
+    seen = {}
+    sharded = _learner(bs=8, sgd=True)
+    with _quiet(), sharded.distrib_ctx(shard=True):
+        seen["backend"] = dist.get_backend()
+        seen["device"] = str(sharded.device)
+        sharded.fit(2)
+        world = dist.get_world_size()
+    single = _learner(bs=8 * world, sgd=True)
+    single.model.to(_device())
+    with _quiet():
+        single.fit(2)
+    diff = _max_diff(_state(single), _state(sharded))
+    low = _learner(bs=8)
+    with _quiet(), low.distrib_ctx(shard=True, mixed_precision="bf16"):
+        before = low.validate()[0]
+        low.fit(3)
+        after = low.validate()[0]
+    ok = seen["backend"] == "nccl" and diff < 1e-4 and math.isfinite(after) and after < before
+    return ok, (
+        f"{world} rank(s) on {seen['device']}, max diff to one GPU {diff:.1e}; "
+        f"bf16 valid loss {before:.3f} -> {after:.3f}"
+    )
+
+
+def case_run_loop(args):
+    """An own loop on `unison.Run` (DDP, exact BatchNorm) equals a plain one-GPU loop at the global batch."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    import unison
+
+    def model_and_opt():
+        model = _learner(bs=8).model  # the rows' model: Linear, BatchNorm, ReLU, Dropout(0), Linear
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    train, _ = _data()
+    model, opt = model_and_opt()
+    with unison.Run() as run:
+        model, opt = run.setup(model, opt)
+        loader = run.loader(DataLoader(train, batch_size=8))
+        for _ in run.epochs(2):
+            model.train()
+            for xb, yb in loader:
+                run.backward(run.loss(F.cross_entropy(model(xb), yb, reduction="sum"), count=len(yb)))
+                opt.step()
+                opt.zero_grad()
+        device, world = str(run.device), run.world_size
+        got = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    plain, plain_opt = model_and_opt()
+    plain.to(_device()).train()
+    for _ in range(2):
+        for xb, yb in DataLoader(train, batch_size=8 * world):
+            F.cross_entropy(plain(xb.to(_device())), yb.to(_device())).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+    diff = _max_diff(got, plain.state_dict())
+    detail = f"{world} rank(s) on {device}, max diff to a plain loop {diff:.1e}"
+    return device.startswith("cuda") and diff < 1e-4, detail
+
+
 class _Probe:
     """A callback calling `fn(learn)` at one event (built lazily: unison is imported in workers only)."""
 
@@ -310,6 +387,8 @@ CASES = {
     "stall": case_stall,
     "to_parallel": case_to_parallel,
     "rollback": case_rollback,
+    "fsdp": case_fsdp,
+    "run_loop": case_run_loop,
 }
 
 
@@ -333,7 +412,7 @@ FORK_SPAWN = textwrap.dedent(
             preds, _ = learn.get_preds()
         return str(learn.device), preds  # preds on the GPU: must come back on the CPU
 
-    device, preds = unison.spawn(train, 2)
+    device, preds = unison.spawn(train, min(torch.cuda.device_count(), 2))
     ok = device == "cuda:0" and preds.device.type == "cpu" and not torch.cuda.is_initialized()
     print(f"GPUCHECK fork_spawn {'PASS' if ok else 'FAIL'} worker device {device}, result on {preds.device}, "
           f"parent CUDA initialised {torch.cuda.is_initialized()}")
@@ -369,18 +448,18 @@ def _launch_row(name, gpus, tmp, script_extra=()):
     return _verdict(name, rc, text)
 
 
-def _kill_and_resume(tmp):
+def _kill_and_resume(tmp, gpus):
     import torch
 
     ref, run = Path(tmp) / "ref", Path(tmp) / "killed"
     for d in (ref, run):
         d.mkdir(parents=True, exist_ok=True)
-    rc1, text1, _ = _run([*LAUNCH, "--gpus", "0,1", str(HERE), "--case", "resumable", "--dir", str(ref)])
+    rc1, text1, _ = _run([*LAUNCH, "--gpus", gpus, str(HERE), "--case", "resumable", "--dir", str(ref)])
     rc2, text2, _ = _run(
         [
             *LAUNCH,
             "--gpus",
-            "0,1",
+            gpus,
             "--max-restarts",
             "1",
             str(HERE),
@@ -428,19 +507,23 @@ def driver(only: set[str] | None) -> int:
         return 0
     n = torch.cuda.device_count()
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(min(n, 2))]
+    # (row, GPUs it needs, what it checks); rows needing 1 use two GPUs where there are two.
     rows = [
         ("one_gpu", 1, "--gpus 1 (0 on one GPU): model, AdamW state, loss weight moved"),
         ("fp16", 1, "fp16 + GradScaler + clipping"),
-        ("ddp_syncbn", 2, "NCCL DDP + SyncBatchNorm = one GPU"),
-        ("bf16", 2, "bf16 under NCCL DDP"),
+        ("ddp_syncbn", 1, "NCCL DDP + SyncBatchNorm = one GPU"),
+        ("bf16", 1, "bf16 under NCCL DDP"),
+        ("fsdp", 1, "FSDP2 (shard=True) = one GPU; bf16 learns"),
+        ("run_loop", 1, "own loop on unison.Run = a plain loop"),
         ("mapping", 2, "--gpus 1,0 maps rank 0 to GPU 1"),
-        ("kill_resume", 2, "kill rank 1, --max-restarts 1, bit-exact resume"),
-        ("fork_spawn", 2, "unison.spawn of a notebook function (fork)"),
-        ("to_parallel", 2, "to_parallel = one GPU; bf16 replicas"),
-        ("preds_save_load", 2, "get_preds / save / load on 2 GPUs"),
+        ("kill_resume", 1, "kill the last rank, --max-restarts 1, bit-exact resume"),
+        ("fork_spawn", 1, "unison.spawn of a notebook function (fork)"),
+        ("to_parallel", 1, "to_parallel = one GPU; bf16 replicas"),
+        ("preds_save_load", 1, "get_preds / save / load on the GPUs"),
         ("rollback", 2, "a refused distrib_ctx leaves everything on the CPU"),
         ("stall", 2, "a hung rank is named (NCCL)"),
     ]
+    all_gpus = "0,1" if n > 1 else "0"
     results = []
     with tempfile.TemporaryDirectory(prefix="unison-gpu-check-") as tmp:
         for name, needs, what in rows:
@@ -457,7 +540,7 @@ def driver(only: set[str] | None) -> int:
             elif name == "mapping":
                 verdict = _launch_row(name, "1,0", tmp, script_extra=("--expect", f"{uuids[1]},{uuids[0]}"))
             elif name == "kill_resume":
-                verdict = _kill_and_resume(tmp)
+                verdict = _kill_and_resume(tmp, all_gpus)
             elif name == "fork_spawn":
                 verdict = _fork_spawn()
             elif name == "to_parallel":
@@ -466,9 +549,11 @@ def driver(only: set[str] | None) -> int:
             elif name == "stall":
                 verdict = _stall(tmp)
             else:
-                verdict = _launch_row(name, "0,1", tmp)
+                verdict = _launch_row(name, all_gpus, tmp)
             results.append((name, what, *verdict))
     print(f"\nunison GPU self-check on {n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
+    if n == 1:
+        print("(one GPU: the multi-process rows ran one NCCL rank; mapping, rollback and stall need two)\n")
     print(f"| {'row':<16} | {'what':<58} | result | detail")
     print(f"|{'-' * 18}|{'-' * 60}|--------|-------")
     for name, what, verdict, detail in results:

@@ -302,6 +302,21 @@ def _mixed_precision_offload_lr_find():
     with contextlib.redirect_stdout(io.StringIO()), mixed.distrib_ctx(shard=True, mixed_precision="bf16"):
         master = {p.dtype for p in mixed.model.parameters()}
         mixed.fit(2)
+    # bf16 with BatchNorm: its parameters stay float32 (a bf16 BatchNorm would fail, or round its
+    # statistics); the layers around it compute in bf16
+    single_bn = _learner("bn", bs=8 * world, opt="sgd")
+    with contextlib.redirect_stdout(io.StringIO()):
+        single_bn.fit(2)
+    bn_seen, after_bn = [], []
+    mixed_bn = _learner("bn", bs=8, opt="sgd")
+    mixed_bn.model[1].register_forward_hook(
+        lambda mod, inp, out: bn_seen.append((inp[0].dtype, mod.weight.dtype))
+    )
+    mixed_bn.model[3].register_forward_hook(
+        lambda mod, inp, out: after_bn.append((inp[0].dtype, mod.weight.dtype))
+    )
+    with contextlib.redirect_stdout(io.StringIO()), mixed_bn.distrib_ctx(shard=True, mixed_precision="bf16"):
+        mixed_bn.fit(2)
     # CPU offload (a plain copy on a CPU machine): exact
     offload = _learner("mlp", bs=8)
     _fit(offload, shard=True, cpu_offload=True)
@@ -315,6 +330,9 @@ def _mixed_precision_offload_lr_find():
         "master": master,
         "compute": set(seen),
         "mixed_diff": _max_diff(_weights(single), _weights(mixed)),
+        "bn_compute": set(bn_seen),
+        "after_bn_compute": set(after_bn),
+        "bn_diff": _max_diff(_weights(single_bn), _weights(mixed_bn)),
         "offload_diff": _max_diff(_weights(single), _weights(offload)),
         "lr_find_restored": _max_diff(before, after),
     }
@@ -325,6 +343,9 @@ def test_mixed_precision_cpu_offload_and_lr_find(pool2):
         assert r["master"] == {torch.float32}
         assert r["compute"] == {(torch.bfloat16, torch.bfloat16)}
         assert 0 < r["mixed_diff"] < 0.05  # trained like float32, with bfloat16 rounding
+        assert r["bn_compute"] == {(torch.float32, torch.float32)}
+        assert r["after_bn_compute"] == {(torch.bfloat16, torch.bfloat16)}
+        assert 0 < r["bn_diff"] < 0.05
         assert r["offload_diff"] < 1e-5
         assert r["lr_find_restored"] == 0
 

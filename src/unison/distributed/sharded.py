@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
@@ -108,6 +109,28 @@ def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Modul
             f"shard: blocks must be nn.Module classes or a function module -> bool, got {blocks!r}"
         )
     return _outermost(model, lambda m: isinstance(m, classes))
+
+
+def _float32_batchnorms(model: nn.Module, policy: MixedPrecisionPolicy | None) -> list[nn.Module]:
+    """The BatchNorm layers that must keep float32 parameters under `policy`'s lower precision.
+
+    A BatchNorm under a bf16 parameter policy fails (its running statistics stay float32: "mixed
+    dtype ... expect parameter to have scalar type of Float") or, where a kernel accepts it, rounds
+    its statistics; FSDP1 kept BatchNorm in float32 for this reason, FSDP2 leaves it to the user.
+    """
+    if policy is None or policy.param_dtype in (None, torch.float32):
+        return []
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def _batchnorm_policy(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """float32 inside the BatchNorm (its input cast up), its output cast back to the compute dtype."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=policy.param_dtype,
+        cast_forward_inputs=True,
+    )
 
 
 def _registrations(module: nn.Module) -> Counter[int]:
@@ -271,6 +294,8 @@ class ShardedTrainer(Callback):
         # The mesh names the device: torch's default is the machine's accelerator even when
         # this job trains on CPU over gloo.
         kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), **self._policies()}
+        for norm in _float32_batchnorms(twin, kwargs.get("mp_policy")):  # leaves first: bottom-up
+            fully_shard(norm, **{**kwargs, "mp_policy": _batchnorm_policy(kwargs["mp_policy"])})
         for block in reversed(select_blocks(twin, self.blocks)):  # bottom-up, as fully_shard requires
             fully_shard(block, **kwargs)
         fully_shard(twin, **kwargs)

@@ -492,7 +492,8 @@ def _stall(tmp):
 
 
 def _fork_spawn():
-    rc, text, _ = _run([sys.executable, "-c", FORK_SPAWN], env={"PYTHONPATH": str(ROOT)})
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    rc, text, _ = _run([sys.executable, "-c", FORK_SPAWN], env={"PYTHONPATH": path})
     return _verdict("fork_spawn", rc, text)
 
 

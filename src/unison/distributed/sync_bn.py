@@ -20,6 +20,9 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+# torch 2.13 names the flat all-gather `all_gather_single`; 2.11 has only the older name (deprecated in 2.13).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = [
     "BatchNormNd",
     "SyncBatchNorm",
@@ -60,7 +63,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         packed = torch.cat([mean.new_full((1,), float(count)), mean, var])
         gathered = packed.new_empty(world_size, packed.numel())
         # One collective into one flat buffer (no per-rank list of views for gloo to copy through).
-        dist.all_gather_single(gathered.view(-1), packed, group=group)
+        _all_gather_flat(gathered.view(-1), packed, group=group)
         counts, means, variances = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:  # same check, on every rank, as F.batch_norm in training
@@ -113,7 +116,7 @@ def _sum_over_ranks(t: Tensor, group: Any, world_size: int) -> Tensor:
     on every rank. For a few hundred floats gloo's all_gather answers about twice as fast as its
     all_reduce (benchmarks/sync_bn_profile.py: 618 against 1483 us median on 2 processes)."""
     gathered = t.new_empty(world_size, t.numel())
-    dist.all_gather_single(gathered.view(-1), t.contiguous(), group=group)
+    _all_gather_flat(gathered.view(-1), t.contiguous(), group=group)
     return gathered.sum(0)
 
 

@@ -355,10 +355,10 @@ class LaunchPlan:
 def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     """Build torch's `LaunchConfig`, the worker arguments and the variables to export."""
     from torch.distributed.elastic.utils import macros
-    from torch.distributed.launcher.api import LaunchConfig
 
     from unison.distributed.env import huge_pages_env, threads_per_worker
     from unison.launch.logs import RankLogsSpecs
+    from unison.launch.torch_compat import launch_config
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
     others = {} if os.environ.get("OMP_NUM_THREADS") else other_launches()  # their workers share the cores
@@ -418,6 +418,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     configs.update({k: v for k, v in opts.torchrun.rdzv_conf.items() if k != "store_type"})  # --rdzv-conf
     agent = dict(opts.torchrun.agent)  # torchrun's options for torch's agent, as given
+    user_grace = "shutdown_timeout" in agent
     if "shutdown_timeout" not in agent and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         agent["shutdown_timeout"] = SHUTDOWN_GRACE_S  # a worker ignoring SIGTERM ends inside the grace
     local_addr = agent.pop("local_addr", local_addr)
@@ -425,7 +426,8 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     logs = RankLogsSpecs(
         log_dir, ranks_filter=opts.torchrun.ranks_filter, redirects=opts.torchrun.redirects, replica=replica
     )
-    config = LaunchConfig(
+    config = launch_config(
+        user_grace=user_grace,
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
         nproc_per_node=opts.nproc,
@@ -516,7 +518,9 @@ def launch(opts: LaunchOptions) -> int:
     except SignalException as sig:
         if said_preempted(log_dir, sig.sigval.name):  # the workers checkpointed and stopped
             return PREEMPTED_EXIT
-        grace = plan.config.shutdown_timeout if plan else None
+        from unison.launch.torch_compat import shutdown_grace
+
+        grace = shutdown_grace(plan.config) if plan else None
         late = plan.logs.stragglers(sig.sigval.name, grace) if plan and plan.logs else ""
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down{late}", file=sys.stderr)
         return 128 + int(sig.sigval)

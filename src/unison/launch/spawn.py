@@ -96,7 +96,9 @@ def spawn(
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
+
+    from unison.launch.torch_compat import launch_config
 
     log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
     # From a terminal, the workers' output is forwarded a line at a time, prefixed with the rank,
@@ -109,7 +111,7 @@ def spawn(
     # initialises CUDA unless answered by NVML; the children could not use their GPUs then.
     fork_safe = cuda_check_without_init if method == "fork" else contextlib.nullcontext
     with fork_safe():
-        config = LaunchConfig(
+        config = launch_config(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nprocs,

@@ -83,6 +83,7 @@ class _Clock:
         n = self.step - self.skip
         if int(os.environ.get("RANK", "0")) == 0:
             row = {"peer": peer, "ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "steps": n, "loss": loss}
+            row["threads"] = torch.get_num_threads()
             print("RESULT " + json.dumps(row), flush=True)
 
 
@@ -238,7 +239,7 @@ def driver(args) -> None:
             results[peer].append(row)
             print(
                 f"round {r + 1}/{args.rounds} {peer}: {row['ms']:.2f} ms/step, "
-                f"{row['cpu_ms']:.2f} CPU ms/step, "
+                f"{row['cpu_ms']:.2f} CPU ms/step ({row['threads']} threads), "
                 f"loss {row['loss']:.4f}, launch {row['launch_s']:.1f} s",
                 flush=True,
             )

@@ -32,6 +32,7 @@ from tests.hangs import communicate_or_report
 from tests.launch.shared_runs import once_per_session
 from tests.launch.test_launch import LAUNCH, ROOT
 from tests.launch.test_multinode import Machines, machines, netns_port  # noqa: F401  (fixture)
+from unison.launch.torch_compat import TAKES_SHUTDOWN_TIMEOUT
 
 SCRIPT = str(ROOT / "tests" / "fault_scripts" / "cluster_job.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread a worker: 2 machines = 1 machine, bit for bit
@@ -292,6 +293,7 @@ def terminate_like_a_kubelet(job: Job) -> float:
 
 
 @pytest.mark.launch
+@pytest.mark.skipif(not TAKES_SHUTDOWN_TIMEOUT, reason="torch < 2.13: its agent has no shutdown grace to set")
 def test_sigterm_stops_every_worker_within_the_grace_period(tmp_path: Path) -> None:
     """Two jobs at once: in one the workers stop on SIGTERM as a Learner does (every rank at one step,
     checkpointed: exit 75, "preempted"; tests/launch/test_preemption_launch.py resumes such jobs), in
@@ -333,6 +335,7 @@ def test_sigterm_stops_every_worker_within_the_grace_period(tmp_path: Path) -> N
     assert leftovers(str(tmp_path)) == []
 
 
+@pytest.mark.skipif(not TAKES_SHUTDOWN_TIMEOUT, reason="torch < 2.13: its agent has no shutdown grace to set")
 def test_the_default_shutdown_grace_ends_the_launcher_inside_a_clusters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,7 @@ from tests.hangs import dump_and_kill
 from tests.launch.test_launch import LAUNCH, PY, ROOT, SCRIPTS, finish, run, start, tagged
 from unison.launch import launcher as launch_mod
 from unison.launch.options import LaunchError
+from unison.launch.torch_compat import TAKES_SHUTDOWN_TIMEOUT
 
 
 # ---- torchrun's options, in this process ------------------------------------------------------------
@@ -33,6 +34,7 @@ AGENT_FIELDS = ("nproc_per_node", "min_nodes", "max_nodes", "role", "monitor_int
 AGENT_FIELDS += ("max_restarts", "signals_to_handle", "duplicate_stdout_filters", "shutdown_timeout")
 
 
+@pytest.mark.skipif(not TAKES_SHUTDOWN_TIMEOUT, reason="torch < 2.13: its agent has no shutdown grace to set")
 def test_torchrun_command_lines_mean_what_they_mean_to_torchrun(monkeypatch, tmp_path):
     script = str(SCRIPTS / "probe.py")
     # pytorch/examples' README commands, single machine and multi-machine, in both spellings

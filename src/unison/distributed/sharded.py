@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
@@ -255,7 +256,12 @@ class ShardedTrainer(Callback):
         self._original_model = learn.raw_model
         self._original_collective = learn.collective
         if not group_active() or dist.get_world_size() == 1:
-            return  # one process: nothing to shard
+            # One process: nothing to shard, but it trains on its GPU (`--gpus 0`), as DDP's does.
+            device = training_device(learn, self.cuda_id, self.backend)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                place_training_state(learn.model, learn.opt, learn.loss_func, device)
+            return
         try:
             self._shard()
         except BaseException:

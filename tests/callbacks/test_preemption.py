@@ -327,6 +327,20 @@ def test_requeue_without_scontrol_or_slurm_is_one_clear_line(tmp_path: Path) -> 
     assert said.startswith("scontrol requeue 9 failed (Requested operation is presently disabled)")
 
 
+def test_a_scontrol_ended_by_the_requeues_own_sigterm_is_not_called_a_failure(tmp_path: Path) -> None:
+    """SLURM's requeue kills the job's processes, scontrol among them when it has not exited yet (seen
+    under load: "scontrol requeue 20677 failed (exit status -15): resubmit the job", for a job SLURM
+    had requeued: a user following it would run the job twice)."""
+    killed = tmp_path / "bin" / "scontrol"
+    killed.parent.mkdir()
+    killed.write_text("#!/bin/sh\nkill -TERM $$\n")
+    killed.chmod(0o755)
+    said = requeue({"SLURM_JOB_ID": "20677", "PATH": str(killed.parent)})
+    assert said.startswith("job 20677 requeue asked (scontrol requeue 20677)"), said
+    assert "failed" not in said and "resubmit" not in said
+    assert "sacct -j 20677" in said  # how to confirm it
+
+
 def test_on_preempt_requeue_requeues_once_the_checkpoint_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping
 from itertools import product
@@ -221,6 +222,13 @@ def requeue(env: Mapping[str, str]) -> str:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"scontrol requeue {job} failed ({type(exc).__name__}: {exc}): resubmit the job yourself"
+    if done.returncode == -signal.SIGTERM:
+        # SLURM's requeue stops the job's processes at once, scontrol too if it has not exited yet
+        # (under load it often has not): the request reached slurmctld, the answer did not reach us.
+        return (
+            f"job {job} requeue asked (scontrol requeue {job}); SLURM then stopped this job's processes, "
+            f"scontrol among them, as a requeue does: `sacct -j {job}` shows whether it was requeued"
+        )
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
         why = said[-1] if said else f"exit status {done.returncode}"

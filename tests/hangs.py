@@ -60,6 +60,14 @@ def dump_and_kill(proc: subprocess.Popen) -> str:
     return tree_text
 
 
+def wait_for_file(proc: subprocess.Popen, path: Any, timeout: float, what: str, poll_s: float = 0.05) -> None:
+    """Poll until `path` exists; fail with `what` if `proc` ends first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, what
+        time.sleep(poll_s)
+
+
 def communicate_or_report(proc: subprocess.Popen, timeout: float, what: str = "") -> tuple[str, str]:
     """`proc.communicate(timeout)`; past it, fail the test with the processes, their stacks and output."""
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hangs import communicate_or_report, run_or_report
+from tests.hangs import communicate_or_report, run_or_report, wait_for_file
 from unison.launch.failures import deterministic_failure, exit_phrase, oom_count, sigkill_cause
 
 
@@ -206,10 +206,7 @@ def test_another_jobs_oom_kill_is_not_blamed_for_a_kill_9(tmp_path):
         cmd = ["sh", "-c", f'echo $$ > {own_job / "cgroup.procs"} && exec "$@"', "sh", *launch]
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 90
-            while not (tmp_path / "ready").exists():
-                assert job.poll() is None and time.monotonic() < deadline, "the worker did not start"
-                time.sleep(0.05)
+            wait_for_file(job, tmp_path / "ready", 90, "the worker did not start")
             machine = Path("/proc/vmstat").read_text()
             # another job's process, and one of another test beside this one (this session's cgroup)
             with (

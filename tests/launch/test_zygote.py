@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.hangs import run_or_report
+from tests.hangs import run_or_report, wait_for_file
 from unison.launch.zygote import Zygote, loaded_differently, warm_start_allowed
 
 PROBE = Path(__file__).resolve().parent.parent / "fault_scripts" / "zygote_probe.py"
@@ -104,10 +104,8 @@ def test_a_killed_worker_process_takes_its_fork_down_and_the_restart_is_forked_a
     cmd = [*restartable, str(PROBE), str(out), "hold"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "rank1.attempt0.json").exists():
-            assert job.poll() is None and time.monotonic() < deadline, "rank 1 never started"
-            time.sleep(0.1)
+        deadline = time.monotonic() + 120  # (the worker's end below shares it)
+        wait_for_file(job, out / "rank1.attempt0.json", 120, "rank 1 never started", poll_s=0.1)
         worker = json.loads((out / "rank1.attempt0.json").read_text())["pid"]
         stub = _stub_of_rank(job.pid, "1")
         assert stub is not None and stub.pid != worker

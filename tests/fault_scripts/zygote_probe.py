@@ -11,9 +11,9 @@ import signal
 import sys
 import time
 
-preloaded = "torch.fx.experimental.symbolic_shapes" in sys.modules  # imported before this script ran: warm
-# What a worker must not inherit (launch.zygote.NOT_PRELOADED: loaded before the gloo group, DDP's
-# teardown can deadlock); a cold worker has none of them before its script runs.
+preloaded = "torch._dynamo" in sys.modules  # imported before this script ran: warm (launch.zygote.PRELOAD)
+# What the zygote preloads beyond torch (launch.zygote.PRELOAD): dynamo, which loads FSDP and DTensor;
+# a cold worker has none of them before its script runs.
 inherited = [
     m for m in ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules
 ]

@@ -86,6 +86,52 @@ def test_the_bootstrap_leaves_torchs_state_to_the_script(tmp_path: Path) -> None
     assert proc.stdout.strip() == "[]"
 
 
+KEEPER_SCRIPT = """
+import gc, json, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from unison.launch.group_keeper import kept_groups
+
+def made_and_freed():
+    dist.init_process_group("gloo")
+    world = dist.group.WORLD
+    ddp = DDP(torch.nn.Linear(4, 1))
+    ddp(torch.ones(2, 4)).sum().backward()  # an allreduce started inside backward
+    deadline = time.monotonic() + 30  # the keeper looks every 20 ms
+    while not any(g is world for g in kept_groups()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dist.destroy_process_group()  # as pytorch/examples' tutorial: the group first, DDP after
+    del ddp
+    gc.collect()
+    return id(world)
+
+made = [made_and_freed(), made_and_freed()]  # a second group after the first was destroyed
+print(json.dumps({"made": made, "kept": [id(g) for g in kept_groups()], "live": dist.is_initialized()}))
+"""
+
+
+@pytest.mark.procs
+def test_the_bootstrap_keeps_each_default_group_past_destroy_so_freeing_ddp_cannot_deadlock(
+    tmp_path: Path,
+) -> None:
+    """launch.group_keeper: freeing DDP after `destroy_process_group()` could run torch's gloo
+    destructor from DDP's Reducer, which deadlocked there (pytorch/pytorch#56297: the torch
+    tutorial hung 4 launches in 20 with dynamo preloaded, 0 in 20 with the keeper). Each group
+    the script makes is still held after the script destroyed it and freed its DDP."""
+    script = tmp_path / "keeper.py"
+    script.write_text(KEEPER_SCRIPT)
+    from tests.worker_pool import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    proc = run_or_report([sys.executable, "-m", "unison.launch.worker", str(script)], 90, env=env)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["live"] is False  # both destroyed, as the script asked: deregistered from torch
+    assert seen["kept"] == seen["made"] and len(set(seen["made"])) == 2  # and both still held
+
+
 POOL_SCRIPT = """
 import atexit, concurrent.futures, threading
 

@@ -23,7 +23,10 @@ with the rank variables already exported (RANK, LOCAL_RANK, WORLD_SIZE, ...). Th
    finalization aborts the process when one of its threads frees a finished collective's
    tensors (it needs the GIL, which finalization no longer gives: "terminate called without
    an active exception", SIGABRT after correct results; pytorch/pytorch#179291). Nothing a
-   user relies on is skipped.
+   user relies on is skipped;
+6. keeps a reference to each default process group the script makes (`launch.group_keeper`),
+   so that freeing DDP after `destroy_process_group()` cannot run torch's gloo group destructor,
+   which deadlocks there (pytorch/pytorch#56297); the group's threads end with the process.
 
 On a CPU machine `unison launch` also starts a zygote (`launch.zygote`): this process then hands
 its streams and arguments to it and relays signals and the exit status (it is the *stub*), and
@@ -50,6 +53,7 @@ from types import TracebackType
 from typing import NoReturn
 
 from unison.env_names import LAUNCHER_PID_ENV, ZYGOTE_ENV
+from unison.launch.group_keeper import GroupKeeper
 
 _PR_SET_PDEATHSIG = 1
 #: The worker's arguments before the target, by the launcher's entry kind (see `options.TorchrunChoices`).
@@ -273,6 +277,7 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
     handler.initialize()
     hook_before = sys.excepthook
     error_file = stage_error_file()
+    GroupKeeper().start()  # torch's gloo teardown deadlock: the script's group outlives its DDP
     try:
         set_threads()  # imports unison: a broken install is reported like the script's own errors
         (run_module if entry == "module" else run_script)(argv[0], argv[1:])

@@ -2,9 +2,8 @@
 
 A cold worker is a fresh interpreter that imports torch (about 1.2 CPU-s) and `torch._dynamo`,
 which every `torch.optim` optimizer imports (about 0.8 CPU-s more): for a short job or a restart,
-most of a worker's start. So each launch has one *zygote* beside torch's agent that imports torch
-and a third of dynamo's cost once (`PRELOAD`; not dynamo itself, see `NOT_PRELOADED`), and the
-agent's workers are forked from it:
+most of a worker's start. So each launch has one *zygote* beside torch's agent that imports both
+once (`PRELOAD`), and the agent's workers are forked from it:
 
 - the zygote is forked from the launcher itself, right after the launcher has imported torch
   for its agent and before it changes anything of torch's (its loggers) or starts a thread; it
@@ -59,24 +58,22 @@ from unison.env_names import LAUNCHER_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
 from unison.launch.stub import REQUEST_HEADER, catchable_signals
 
-__all__ = ["NOT_PRELOADED", "PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
+__all__ = ["PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
 
-#: What the zygote imports before it forks: torch, sympy and torch.fx's symbolic shapes (a third of
-#: what `torch._dynamo`, which every `torch.optim` optimizer imports, costs), and the bootstrap.
+#: What the zygote imports before it forks: torch, `torch._dynamo` (which every `torch.optim`
+#: optimizer imports; it loads FSDP and DTensor) and the bootstrap. With FSDP loaded before the
+#: gloo group, a script that frees DDP after `destroy_process_group()` deadlocked in torch's
+#: group destructor (pytorch/pytorch#56297; the torch tutorial, 4 launches in 20): the bootstrap's
+#: `launch.group_keeper` keeps the group past that point, so the destructor never runs there
+#: (0 in 20).
 PRELOAD = (
     "torch",
-    "torch.fx.experimental.symbolic_shapes",
+    "torch._dynamo",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing.errors",
     "unison",
     "unison.launch.worker",
 )
-#: What a worker must not inherit. `torch._dynamo` imports FSDP and DTensor, and a process that
-#: imported them before its gloo group existed deadlocked in DDP's teardown (`del ddp` after
-#: `destroy_process_group`, pytorch/pytorch#56297): examples/ddp_tutorial, 4 runs in 15 with
-#: dynamo loaded first, 5 in 15 with FSDP, 0 in 30 as torchrun starts it. A cold worker imports
-#: them when its script does (its optimizer), after its group exists; so does a warm one.
-NOT_PRELOADED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor")
 _PR_SET_PDEATHSIG = 1
 # Variables read once, when a library loads (the dynamic loader, Python, libgomp, MKL, OpenBLAS,
 # torch's allocator, logging and compiler settings): a worker forked from a zygote that loaded
@@ -128,8 +125,8 @@ class Zygote:
         """Start the zygote with `env` (this process's environment by default: what the workers inherit).
 
         `fork=True` (see `can_fork`): fork it from this process, which has imported torch and
-        nothing else yet; the zygote then imports only the rest of `PRELOAD` (about 0.9 CPU-s less
-        than a fresh interpreter). Else it is a fresh interpreter, `python -m unison.launch.zygote`.
+        nothing else yet; the zygote shares its torch (about 1 CPU-s) and imports only the rest
+        of `PRELOAD`. Else it is a fresh interpreter, `python -m unison.launch.zygote`.
         """
         folder = tempfile.mkdtemp(prefix="unison-zygote-")  # 0700: only this user reaches the socket
         path = os.path.join(folder, "zygote.sock")
@@ -326,7 +323,6 @@ def serve(path: str) -> NoReturn:
     listener.listen(128)
     for name in PRELOAD:
         importlib.import_module(name)
-    inherited = [name for name in NOT_PRELOADED if name in sys.modules]  # (a launcher that had loaded it)
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -348,7 +344,6 @@ def serve(path: str) -> NoReturn:
                     continue
                 env = request.get("env")
                 cold = loaded_differently(env, loaded) if isinstance(env, dict) else "env"
-                cold = cold or (inherited[0] if inherited else None)
                 if cold is not None:  # the stub runs the worker itself
                     for fd in fds:
                         os.close(fd)

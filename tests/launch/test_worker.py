@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.hangs import run_or_report
+from tests.worker_pool import free_port
 
 SCRIPT = """
 import atexit, sys, threading, time
@@ -121,8 +122,6 @@ def test_the_bootstrap_keeps_each_default_group_past_destroy_so_freeing_ddp_cann
     the script makes is still held after the script destroyed it and freed its DDP."""
     script = tmp_path / "keeper.py"
     script.write_text(KEEPER_SCRIPT)
-    from tests.worker_pool import free_port
-
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     proc = run_or_report([sys.executable, "-m", "unison.launch.worker", str(script)], 90, env=env)

@@ -5,10 +5,11 @@ that DDP starts inside `backward()` carries a copy of the backward's thread-loca
 holds the Python `contextvars` context (`torch.autograd.graph._engine_run_backward` stashes it),
 so a gloo thread freeing that collective needs the GIL. When a script calls
 `destroy_process_group()` while its DDP model is alive, as pytorch/examples'
-`multigpu_torchrun.py` does, DDP's `Reducer` holds the group's last reference, and freeing DDP
-runs the destructor: the main thread waits for the gloo thread, which waits for the GIL, and
-the rank hangs after its last line (pytorch/pytorch#56297; 4 launches in 12 of that tutorial
-with FSDP imported before the group, 1 in 5 with `torch._dynamo` preloaded).
+`multigpu_torchrun.py` does, DDP's `Reducer` can hold the group's last reference (most runs
+something else still holds one then), and freeing DDP then runs the destructor: the main
+thread waits for the gloo thread, which waits for the GIL, and the rank hangs after its last
+line (pytorch/pytorch#56297; 4 launches in 12 of that tutorial with FSDP imported before the
+group, 1 in 5 with `torch._dynamo` preloaded).
 
 A worker that holds its own reference to each default group never runs that destructor from
 the script: `destroy_process_group()` still deregisters the group (a later `init_process_group`

@@ -19,6 +19,11 @@ median of the rounds' ratios (hand-written ms / peer ms: 1.0 = as fast).
     python benchmarks/gpu_overhead.py                    # 3 rounds of 300 steps on 1 GPU
     python benchmarks/gpu_overhead.py --rounds 5 --nproc 2
     python benchmarks/gpu_overhead.py --tiny --rounds 1  # a CPU dry run (gloo) of the three scripts
+    python benchmarks/gpu_overhead.py --trace-ops        # + each thread's CPU, one step's CPU ops
+
+`--trace-ops` is how unison's extra CPU time on a GPU was found (docs/gpus.md): a thread named
+like the main one is OpenMP's, and an op on a CPU tensor that the hand-written loop lacks is the
+suspect.
 """
 
 from __future__ import annotations
@@ -59,20 +64,66 @@ def _setup(tiny: bool, steps: int):
     return model, opt, data, c["batch"]
 
 
-class _Clock:
-    """ms and CPU ms per step over the steps after `skip`, CUDA synchronised at both ends."""
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads, summed by thread name (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return found
 
-    def __init__(self, skip: int):
+
+class _CpuOps:
+    """Counts the aten ops of one step that touch a CPU tensor of more than one element: what a
+    framework adds on the CPU to a GPU step (a dispatch mode; backward's ops included)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+                from torch.utils._pytree import tree_leaves
+
+                for leaf in tree_leaves((args, kwargs or {})):
+                    if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.numel() > 1:
+                        key = f"{func} {tuple(leaf.shape)} {leaf.dtype}"
+                        counts[key] = counts.get(key, 0) + 1
+                        break
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self.mode = counts, Mode()
+
+
+class _Clock:
+    """ms and CPU ms per step over the steps after `skip`, CUDA synchronised at both ends; with
+    `--trace-ops`, also the CPU-tensor ops of the step after `skip`."""
+
+    def __init__(self, skip: int, trace_ops: bool = False):
         self.skip, self.step, self.start = skip, 0, None
+        self.ops = _CpuOps() if trace_ops else None
 
     def tick(self) -> None:
         import torch
 
         self.step += 1
+        if self.ops is not None and self.step == self.skip + 1:
+            self.ops.mode.__enter__()
+        if self.ops is not None and self.step == self.skip + 2:
+            self.ops.mode.__exit__(None, None, None)
         if self.step == self.skip:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.start = (time.perf_counter(), time.process_time())
+            self.threads = _thread_cpu()
 
     def report(self, peer: str, loss: float) -> None:
         import torch
@@ -85,6 +136,13 @@ class _Clock:
             row = {"peer": peer, "ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "steps": n, "loss": loss}
             row["threads"] = torch.get_num_threads()
             print("RESULT " + json.dumps(row), flush=True)
+            now = _thread_cpu()
+            spent = {name: 1000 * (now[name] - self.threads.get(name, 0.0)) / n for name in now}
+            top = sorted(spent.items(), key=lambda kv: -kv[1])[:6]
+            print(f"THREADS {peer}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in top) + " (CPU ms/step)")
+            if self.ops is not None:
+                for key, count in sorted(self.ops.counts.items(), key=lambda kv: -kv[1])[:40]:
+                    print(f"CPUOP {peer}: {count} x {key}")
 
 
 def peer_plain(args) -> None:
@@ -105,7 +163,7 @@ def peer_plain(args) -> None:
     model, opt, data, batch = _setup(args.tiny, args.steps)
     model = DDP(model.to(device), device_ids=[local] if cuda else None)
     loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, shuffle=False))
-    clock = _Clock(args.skip)
+    clock = _Clock(args.skip, args.trace_ops)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -131,7 +189,7 @@ def peer_run(args) -> None:
         model, opt = run.setup(model, opt)
         run.add_cb(unison.GradientClip(1.0))
         loader = run.loader(DataLoader(data, batch_size=batch))
-        clock = _Clock(args.skip)
+        clock = _Clock(args.skip, args.trace_ops)
         for _ in run.epochs(1):
             for x, y in loader:
                 with torch.autocast(run.device.type, dtype=torch.bfloat16):
@@ -161,7 +219,7 @@ def peer_learner(args) -> None:
         def forward(self, x):
             return self.gpt(x)[0]
 
-    clock = _Clock(args.skip)
+    clock = _Clock(args.skip, args.trace_ops)
 
     class Tick(Callback):
         order = 99
@@ -198,6 +256,7 @@ def _command(peer: str, args) -> list[str]:
         str(args.skip),
     ]
     script += ["--tiny"] if args.tiny else []
+    script += ["--trace-ops"] if args.trace_ops else []
     if peer == "hand-written":
         return [
             sys.executable,
@@ -243,6 +302,9 @@ def driver(args) -> None:
                 f"loss {row['loss']:.4f}, launch {row['launch_s']:.1f} s",
                 flush=True,
             )
+            for line in proc.stdout.splitlines():
+                if "THREADS " in line or "CPUOP " in line:
+                    print("   ", line.strip(), flush=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (gloo)"
     c = _config(args.tiny)
     print(
@@ -275,6 +337,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=50, help="first steps left out of the timing")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (one process each)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (a CPU dry run)")
+    parser.add_argument(
+        "--trace-ops", action="store_true", help="also list one step's CPU-tensor ops and each thread's CPU"
+    )
     args = parser.parse_args()
     if args.peer:
         PEERS[args.peer](args)

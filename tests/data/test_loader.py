@@ -239,6 +239,28 @@ def test_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches():
             assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b, strict=True))
 
 
+def test_the_batch_fetch_gathers_rows_without_starting_cpu_threads_that_then_spin():
+    """`t[idx]` (advanced indexing) runs a small batch in parallel (its grain is 3,000 elements) and
+    every OpenMP thread then spins ~3.5 ms: on a GPU machine's 16 threads, 100 CPU ms per step (the
+    GPU benchmark found it). `index_select` gathers the same rows and parallelises only big ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randint(65, (320, 256)), torch.arange(320)
+    dl = DistributedDL(DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True), 0, 1, seed=3)
+    with Ops():
+        batches = list(dl)
+    assert "aten.index.Tensor" not in seen and seen.count("aten.index_select.default") == 2 * len(batches)
+    order = torch.cat([b[1] for b in batches])
+    assert torch.equal(torch.cat([b[0] for b in batches]), x[order])
+
+
 def test_a_custom_collate_keeps_the_item_by_item_path():
     from unison.data.loader import _TensorBatches
 

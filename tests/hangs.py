@@ -22,6 +22,8 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.warm_runner import WarmProcess, start
+
 #: Seconds the launcher's tailer gets to pass its workers' dumps on before it is dumped itself.
 TAIL_S = 1.5
 
@@ -41,7 +43,7 @@ def describe_tree(pid: int) -> str:
     return "\n".join(lines) or "  (no child process)"
 
 
-def dump_and_kill(proc: subprocess.Popen) -> str:
+def dump_and_kill(proc: subprocess.Popen | WarmProcess) -> str:
     """Dump the stacks of `proc`'s descendants, then its own (SIGABRT), kill them all; return the tree."""
     tree_text = describe_tree(proc.pid)
     children = _tree(proc.pid)
@@ -68,7 +70,9 @@ def wait_for_file(proc: subprocess.Popen, path: Any, timeout: float, what: str, 
         time.sleep(poll_s)
 
 
-def communicate_or_report(proc: subprocess.Popen, timeout: float, what: str = "") -> tuple[str, str]:
+def communicate_or_report(
+    proc: subprocess.Popen | WarmProcess, timeout: float, what: str = ""
+) -> tuple[str, str]:
     """`proc.communicate(timeout)`; past it, fail the test with the processes, their stacks and output."""
     try:
         return proc.communicate(timeout=timeout)
@@ -90,12 +94,12 @@ def run_or_report(
 
     >>> proc = run_or_report([sys.executable, "-m", "unison.launch", "--nproc", "2", script], 300, cwd=tmp)
     """
-    proc = subprocess.Popen(
+    # A Python command runs as a fork of a warm interpreter (tests/warm_runner.py: torch imported once).
+    proc = start(
         args,
         stdin=subprocess.PIPE if input is not None else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         **popen,
     )
     if input is not None:

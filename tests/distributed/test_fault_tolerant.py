@@ -24,6 +24,7 @@ torchft = pytest.importorskip("torchft")
 
 from tests.hangs import dump_and_kill, run_or_report  # noqa: E402
 from tests.launch.test_multinode import machines, netns_port  # noqa: E402, F401  (fixture: two network namespaces)
+from tests.warm_runner import start  # noqa: E402
 from unison.distributed.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "fault_scripts" / "ft_replica.py"
@@ -133,7 +134,7 @@ def test_a_replica_without_enough_peers_fails_within_the_quorum_timeout_naming_t
 def replica(out, *args, env, script=SCRIPT):
     cmd = [sys.executable, str(script), "--out", str(out), *args]
     with open(f"{out}.log", "w") as log:  # a file, not a pipe: torchft logs a lot, nobody drains a pipe
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # a fork of a warm interpreter
     proc.log = f"{out}.log"
     return proc
 

@@ -1,0 +1,82 @@
+"""The suite's warm runner (tests/warm_runner.py) runs a script as a fresh interpreter would."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.warm_runner import WarmProcess, start
+
+PROBE = textwrap.dedent(
+    """
+    import atexit, json, os, random, sys, threading, time
+    import torch
+
+    seen = {
+        "argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("PROBE_VAR"), "path0": sys.path[0],
+        "extra_path": os.environ["EXTRA"] in sys.path, "threads": torch.get_num_threads(),
+        "stdin": sys.stdin.read(), "name": __name__, "faulthandler": __import__("faulthandler").is_enabled(),
+    }
+    print(json.dumps(seen))
+    print("to stderr", file=sys.stderr)
+    print(random.random(), file=sys.stderr)  # differs between runs: reseeded like a new interpreter
+    if sys.argv[1] == "thread":  # a non-daemon thread is waited for, atexit runs after it
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        atexit.register(lambda: print("atexit ran", flush=True))
+    if sys.argv[1] == "signal":
+        import signal
+        os.kill(os.getpid(), signal.SIGTERM)
+    sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+def _run(script, how, *args, fresh, tmp_path):
+    env = {**os.environ, "PROBE_VAR": "v", "EXTRA": str(tmp_path / "extra"), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "extra"), env.get("PYTHONPATH", "")])
+    proc = start(
+        [sys.executable, str(script), how, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+        fresh=fresh,
+    )
+    out, err = proc.communicate("some input", timeout=120)
+    return proc, out, err
+
+
+@pytest.mark.procs
+def test_a_warm_script_sees_and_ends_as_a_fresh_interpreter_would(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    for how, args in (("plain", ["3"]), ("thread", ["0"]), ("signal", ["0"])):
+        warm, warm_out, warm_err = _run(script, how, *args, fresh=False, tmp_path=tmp_path)
+        cold, cold_out, cold_err = _run(script, how, *args, fresh=True, tmp_path=tmp_path)
+        assert isinstance(warm, WarmProcess) and isinstance(cold, subprocess.Popen)
+        want = {"plain": 3, "thread": 0, "signal": -signal.SIGTERM}[how]
+        assert warm.returncode == cold.returncode == want, (how, warm_err, cold_err)
+        warm_lines, cold_lines = warm_out.splitlines(), cold_out.splitlines()
+        assert warm_lines[0] == cold_lines[0], how  # argv, cwd, env, sys.path, threads, stdin, ...
+        assert warm_lines[1:] == cold_lines[1:], how  # the thread's line, then atexit's
+        assert warm_err.splitlines()[0] == cold_err.splitlines()[0] == "to stderr"
+        assert warm_err.splitlines()[1] != cold_err.splitlines()[1]  # each draws its own numbers
+    assert cold_lines == [cold_lines[0]]  # (the signal run: nothing after the kill)
+
+
+@pytest.mark.procs
+def test_a_warm_script_killed_or_timed_out_reports_as_popen_does(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    proc = start([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert isinstance(proc, WarmProcess)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=0.5)
+    assert proc.poll() is None
+    proc.kill()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and out == "started\n" and err == ""

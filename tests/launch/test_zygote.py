@@ -99,6 +99,14 @@ def _stub_of_rank(launcher: int, rank: str) -> psutil.Process | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (not a zombie); it may be reaped between any two looks at it."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.launch
 def test_a_killed_worker_process_takes_its_fork_down_and_the_restart_is_forked_again(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -113,7 +121,7 @@ def test_a_killed_worker_process_takes_its_fork_down_and_the_restart_is_forked_a
         stub = _stub_of_rank(job.pid, "1")
         assert stub is not None and stub.pid != worker
         stub.send_signal(signal.SIGKILL)  # what a test, or an operator, kills: the process the agent watches
-        while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+        while _alive(worker):
             assert time.monotonic() < deadline, "the forked worker outlived its stub"
             time.sleep(0.05)
         _, err = job.communicate(timeout=180)

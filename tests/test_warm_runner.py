@@ -36,6 +36,8 @@ PROBE = textwrap.dedent(
 
 def _run(script, how, *args, fresh, tmp_path):
     env = {**os.environ, "PROBE_VAR": "v", "EXTRA": str(tmp_path / "extra"), "OMP_NUM_THREADS": "1"}
+    if how == "plain":  # torch's thread count without the variable: a thread per usable core
+        del env["OMP_NUM_THREADS"]
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "extra"), env.get("PYTHONPATH", "")])
     proc = start(
         [sys.executable, str(script), how, *args],

@@ -125,8 +125,12 @@ def _run_child(request: dict, fds: list[int]) -> None:
     sys.argv = list(argv)
     import torch
 
+    # OpenMP read the server's OMP_NUM_THREADS when torch loaded: apply the child's, or what a fresh
+    # interpreter's OpenMP would take without one (a thread per usable core).
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else request["threads"])
+    torch.set_num_threads(
+        int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0))
+    )
     code = 0
     try:
         if module:
@@ -167,9 +171,6 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    import torch
-
-    threads = torch.get_num_threads()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -206,7 +207,6 @@ def serve(path: str) -> None:
                         for other in owners:
                             other.close()
                         conn.close()
-                        request["threads"] = threads
                         _run_child(request, fds)
                     finally:
                         os._exit(1)
@@ -260,7 +260,8 @@ class _Server:
         root = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
-        env.pop("PYTEST_CURRENT_TEST", None)
+        for name in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # each child sets its own
+            env.pop(name, None)
         cls.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=root, start_new_session=True
         )
@@ -390,7 +391,7 @@ class WarmProcess:
         return self._decoded("stdout"), self._decoded("stderr")
 
 
-def _warm_target(args: Sequence[Any]) -> tuple[list[str], str | None] | None:
+def _warm_target(args: Sequence[Any], cwd: Any = None) -> tuple[list[str], str | None] | None:
     """(argv, module) where `args` runs a script file, or `unison check-exact`, on this interpreter;
     else None. `unison launch` and its other modules always start fresh: the launcher forks its
     zygote only where torch is not imported yet (`zygote.can_fork`), and a worker's bootstrap is
@@ -400,7 +401,8 @@ def _warm_target(args: Sequence[Any]) -> tuple[list[str], str | None] | None:
         return None
     if args[1] == "-m" and args[2:4] == ["unison.cli", "check-exact"]:
         return [args[2], *args[3:]], args[2]
-    if not args[1].startswith("-") and args[1].endswith(".py") and os.path.isfile(args[1]):
+    script = os.path.join(os.fspath(cwd) if cwd is not None else os.getcwd(), args[1])
+    if not args[1].startswith("-") and args[1].endswith(".py") and os.path.isfile(script):
         return args[1:], None
     return None
 
@@ -418,7 +420,7 @@ def start(
 ) -> WarmProcess | subprocess.Popen:
     """`subprocess.Popen(args, ...)` for a Python command, run as a fork of the warm server (see the
     module's docstring). stdin: None or PIPE; stdout: None, PIPE or a file; stderr: also STDOUT."""
-    target = None if fresh or os.environ.get(FRESH_ENV) == "1" else _warm_target(args)
+    target = None if fresh or os.environ.get(FRESH_ENV) == "1" else _warm_target(args, cwd)
     if target is None:
         return subprocess.Popen(args, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env, text=text)
     argv, module = target

@@ -1,11 +1,14 @@
 """The suite's warm runner (tests/warm_runner.py) runs a script as a fresh interpreter would."""
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 from tests.warm_runner import WarmProcess, start
@@ -82,3 +85,23 @@ def test_a_warm_script_killed_or_timed_out_reports_as_popen_does(tmp_path):
     proc.kill()
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL and out == "started\n" and err == ""
+
+
+@pytest.mark.procs
+def test_a_warm_process_dropped_unwaited_is_killed_by_the_server(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    proc = start([sys.executable, str(script)])
+    pid = proc.pid
+    assert psutil.pid_exists(pid)
+    del proc
+    gc.collect()  # its socket closes: the server takes the test for gone
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.monotonic() < deadline, "the dropped process still runs"
+        time.sleep(0.05)

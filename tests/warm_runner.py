@@ -13,9 +13,10 @@ directory, stdin/stdout/stderr (its pipes or files, passed over the socket), `sy
 `faulthandler` (`PYTHONFAULTHANDLER`), torch's thread count (`OMP_NUM_THREADS`), a fresh
 `random` seed, atexit handlers and non-daemon threads run at exit, and a process group of its own.
 It is a child of the server, not of the test: `proc.pid` is the real process (signals, psutil's
-tree), and its exit status comes back over the socket. What it does not get: a fresh import of the
-preloaded modules, and the interpreter's final garbage collection (the child leaves with
-`os._exit` after atexit, as unison's own workers do).
+tree), and its exit status comes back over the socket (a `WarmProcess` dropped before its process
+ended closes that socket, and the server then kills the process: nothing outlives its test).
+What it does not get: a fresh import of the preloaded modules, and the interpreter's final
+garbage collection (the child leaves with `os._exit` after atexit, as unison's own workers do).
 
 Run warm: `[sys.executable, "script.py", ...]` and `[sys.executable, "-m", "unison.cli",
 "check-exact", ...]` (which starts its launches as fresh interpreters itself). Everything else runs
@@ -224,6 +225,7 @@ def serve(path: str) -> None:
                 with contextlib.suppress(OSError):
                     if conn.recv(1):
                         continue
+                selector.unregister(conn)  # (else its end-of-file wakes this loop until the child is reaped)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(owners[conn], signal.SIGKILL)
         while children:  # reap every ended child, and tell its client how it ended
@@ -237,8 +239,9 @@ def serve(path: str) -> None:
             if conn is None:
                 continue
             owners.pop(conn, None)
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(conn)
+            with contextlib.suppress(OSError):
                 _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
             conn.close()
 

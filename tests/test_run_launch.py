@@ -74,7 +74,9 @@ def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weigh
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = communicate_or_report(proc, 120)
-    assert proc.returncode == 75, err[-3000:]
+    # All of it: once in a quiet full run (2026-11-27) rank 0 ended while rank 1 was writing the
+    # checkpoint (exit 143); the last 3,000 characters showed only rank 1's side.
+    assert proc.returncode == 75, err[-30000:]
     # at the step boundary where the ranks next compare notes (about every 0.5 s), or the epoch's end
     stopped = r"preempted by SIGTERM: every rank stopped (in epoch \d, after step \d|at the end of epoch \d)"
     assert re.search(stopped + r"; checkpoint written to", err), err

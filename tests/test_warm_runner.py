@@ -25,7 +25,7 @@ PROBE = textwrap.dedent(
     }
     print(json.dumps(seen))
     print("to stderr", file=sys.stderr)
-    print(random.random(), file=sys.stderr)  # differs between runs: reseeded like a new interpreter
+    print(random.random(), torch.rand(1).item(), file=sys.stderr)  # each run its own: reseeded
     if sys.argv[1] == "thread":  # a non-daemon thread is waited for, atexit runs after it
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
         atexit.register(lambda: print("atexit ran", flush=True))

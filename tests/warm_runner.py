@@ -10,8 +10,9 @@ command: the script itself runs unchanged in the child.
 The child gets what a fresh interpreter would have: the caller's argv, environment, working
 directory, stdin/stdout/stderr (its pipes or files, passed over the socket), `sys.path`
 (the script's folder, then `PYTHONPATH`), stdout's buffering (`PYTHONUNBUFFERED`),
-`faulthandler` (`PYTHONFAULTHANDLER`), torch's thread count (`OMP_NUM_THREADS`), a fresh
-`random` seed, atexit handlers and non-daemon threads run at exit, and a process group of its own.
+`faulthandler` (`PYTHONFAULTHANDLER`), torch's thread count (`OMP_NUM_THREADS`), fresh seeds
+(`random`, torch's and NumPy's generators), atexit handlers and non-daemon threads run at exit,
+and a process group of its own.
 It is a child of the server, not of the test: `proc.pid` is the real process (signals, psutil's
 tree), and its exit status comes back over the socket (a `WarmProcess` dropped before its process
 ended closes that socket, and the server then kills the process: nothing outlives its test).
@@ -89,10 +90,11 @@ def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the command (stdio, env, cwd, argv, path), run it, exit."""
     import faulthandler
     import io
-    import random
     import runpy
     import threading
     import traceback
+
+    from unison.launch.zygote import _reseed
 
     for number, fd in enumerate(fds):
         os.dup2(fd, number)
@@ -118,7 +120,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
         faulthandler.enable(file=sys.stderr, all_threads=True)
     else:
         faulthandler.disable()
-    random.seed()
+    _reseed()  # torch's and NumPy's generators, as a new interpreter seeds them (fork reseeds `random`)
     argv, module = request["argv"], request["module"]
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -132,7 +134,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
     torch.set_num_threads(
         int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0))
     )
-    code = 0
+    code, killed_by = 0, 0
     try:
         if module:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -148,7 +150,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
             code = 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        code = -int(signal.SIGINT)
+        killed_by = int(signal.SIGINT)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -159,10 +161,10 @@ def _run_child(request: dict, fds: list[int]) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
             stream.flush()
-    if code < 0:  # ended by a signal, as an uncaught KeyboardInterrupt ends an interpreter
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    if killed_by:  # ended by the signal, as an uncaught KeyboardInterrupt ends an interpreter
+        signal.signal(killed_by, signal.SIG_DFL)
+        os.kill(os.getpid(), killed_by)
+    os._exit(code & 0xFF)  # sys.exit(-1) is 255, as an interpreter's
 
 
 def serve(path: str) -> None:

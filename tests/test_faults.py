@@ -61,6 +61,9 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     assert proc.returncode != 0
     assert ended - float((tmp_path / "hung_at").read_text()) < 10 + 30
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
+    # The hung rank, which torch's agent stopped with SIGTERM when rank 0 failed, ended by that signal
+    # (Preemption's stall watch: another rank is gone), not by the SIGKILL after the launcher's grace.
+    assert "1 (signal SIGTERM)" in proc.stderr, proc.stderr[-3000:]
     assert leftover_workers(str(tmp_path)) == []
 
 

@@ -64,10 +64,13 @@ def test_a_sigkilled_rank_resumes_mid_epoch_to_the_plain_loops_weights(tmp_path:
 
 
 def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weights(tmp_path: Path) -> None:
+    """Rank 0 is healthy but slow after the signal (it finishes its step STALL_S + 2 s later): it is
+    not taken for a hung rank and killed (exit 143, no checkpoint), as it was before 2026-11-27."""
+    from unison.callbacks.preemption import STALL_S
+
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path)]
-    proc = subprocess.Popen(
-        [*cmd, "--bs", "8", "--wait-at", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    cmd += ["--bs", "8", "--wait-at", "3", "--slow-after-signal", str(STALL_S + 2)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "waiting").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the script never reached step 3"
@@ -104,3 +107,6 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout_naming_it(tmp_path: Pat
     assert proc.returncode != 0
     assert ended - float((tmp_path / "hung_at").read_text()) < 10 + 60
     assert "rank 1 stopped taking part" in proc.stderr, proc.stderr[-3000:]
+    # The hung rank, which torch's agent stopped with SIGTERM when rank 0 failed, ended by that signal
+    # (Preemption's stall watch: another rank is gone), not by the SIGKILL after the launcher's grace.
+    assert "1 (signal SIGTERM)" in proc.stderr, proc.stderr[-3000:]

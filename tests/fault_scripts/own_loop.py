@@ -2,6 +2,7 @@
 
 unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --kill-rank 1 --at 5
 unison launch --nproc 2 own_loop.py --dir D --wait-at 5        # then SIGTERM: exit 75, checkpointed
+unison launch --nproc 2 own_loop.py --dir D --wait-at 5 --slow-after-signal 5   # rank 0 slow after it
 python own_loop.py --dir D --bs 16                               # the uninterrupted one-process run
 unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --shard --kill-rank 1 --at 5   # FSDP2, DCP
 
@@ -28,6 +29,9 @@ parser.add_argument("--dir", required=True)
 parser.add_argument("--bs", type=int, default=8, help="per process")
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself (first attempt only)")
 parser.add_argument("--wait-at", type=int, default=-1, help="write D/waiting, wait for SIGTERM at this step")
+parser.add_argument(
+    "--slow-after-signal", type=float, default=0.0, help="rank 0 then takes this long (healthy, slow)"
+)
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever at --at")
 parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
 parser.add_argument("--shard", action="store_true", help="Run(shard=True): FSDP2, DCP checkpoints")
@@ -82,6 +86,8 @@ with Run(path=args.dir, shard=args.shard) as run:
             if step == args.wait_at and first_attempt:
                 Path(args.dir, "waiting").write_text(str(run.rank))
                 wait_for_the_signal()  # the step boundary then checkpoints and stops
+                if run.rank == 0:
+                    time.sleep(args.slow_after_signal)  # longer than the stall limit: slow, not stuck
     if run.is_main:
         torch.save(run.model.state_dict(), Path(args.dir) / "final.pt")
 if args.shard and run.is_main:  # (the sharded weights above are this rank's shards: the whole ones)

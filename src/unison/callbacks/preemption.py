@@ -20,10 +20,13 @@ callback (`Learner(on_preempt="stop" | "requeue" | None)`). While `fit` runs:
    EX_TEMPFAIL: "try again"). `unison launch` passes it on as the job's status and never restarts
    into it; the job resubmitted with `fit(..., resume=True)` ends on the uninterrupted weights.
 
-A rank that completes no batch for `STALL_S` after the signal (or 3x its slowest batch) and has not
-agreed to stop, and is not writing a checkpoint, is stuck (torch's agent stops the survivors of a
-failed rank with SIGTERM too): the signal is sent to it again and left to its default action, so it
-ends at once, as it did before.
+torch's agent stops the survivors of a failed rank with SIGTERM too. A rank that completes no batch
+for `STALL_S` after the signal (or 3x its slowest batch), has not agreed to stop, is not writing a
+checkpoint, and sees another rank gone (left the job, or its heartbeat silent: the strategy's
+`peers_gone`) is stuck in a failing job: the signal is sent to it again and left to its default
+action, so it ends at once. While every rank is there, a slow rank is waited for (the job is being
+stopped whole; the launcher's grace bounds the wait): a long step, a compile or a slow disk after
+the signal must not cost the preemption checkpoint.
 
 Which signals: `Preemption(signals=...)`, else `UNISON_PREEMPT_SIGNALS`, else the launcher's
 `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun's and `unison launch`'s `--signals-to-handle`, which
@@ -62,10 +65,12 @@ OnPreempt = Literal["stop", "requeue"]
 CHECK_EVERY_S = 0.5
 MAX_STEPS_BETWEEN = 1000
 #: After a signal, a rank that completes no batch for this long (or 3x its slowest batch, if
-#: longer) is stuck: it ends as the signal's default action would, as it did before it was
-#: handled. torch's agent stops the survivors of a failed rank with SIGTERM too, and a hung one
-#: must not hold the job for the launcher's whole shutdown grace.
+#: longer) while another rank is gone is stuck: it ends as the signal's default action would.
+#: torch's agent stops the survivors of a failed rank with SIGTERM too, and a hung one must not
+#: hold the job for the launcher's whole shutdown grace.
 STALL_S = 3.0
+#: Seconds between two looks at the other ranks' heartbeats while a signalled rank is quiet.
+PEERS_EVERY_S = 0.5
 
 __all__ = ["PREEMPTED_EXIT", "Preempted", "Preemption", "handling"]
 
@@ -151,8 +156,15 @@ class Preemption(Callback):
         return self._ckpt is not None and self._ckpt.writing
 
     def stall_limit(self) -> float:
-        """Seconds without a batch after which a signalled rank counts as stuck (`STALL_S`)."""
+        """Seconds without a batch after which a signalled rank counts as stuck (`STALL_S`), when
+        another rank is gone."""
         return max(STALL_S, 3 * self.slowest)
+
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that left the job or went silent (None: no strategy can tell, as on one
+        process): the strategy's heartbeats."""
+        strategy = getattr(self.learn, "strategy", None)
+        return None if strategy is None else strategy.peers_gone()
 
     def before_batch(self) -> None:
         if self.learn.training and self._ckpt is not None:
@@ -295,17 +307,22 @@ def handling(learn: Any) -> Iterator[None]:
 def _watch_stall(
     cb: Preemption, sig: signal.Signals, escalate: threading.Event, done: threading.Event
 ) -> None:
-    """After a signal: if this rank completes no batch within `cb.stall_limit()` and the ranks have
-    not agreed to stop, send the signal again, which the handler then leaves to its default action
-    (a hung rank, which torch's agent stops with SIGTERM when another rank failed, ends at once)."""
-    quiet_since = time.monotonic()
+    """After a signal: if this rank completes no batch within `cb.stall_limit()`, the ranks have
+    not agreed to stop, and another rank is gone, send the signal again, which the handler then
+    leaves to its default action (a hung rank, which torch's agent stops with SIGTERM when another
+    rank failed, ends at once). While every rank is there it is slow, not stuck: it is waited for."""
+    quiet_since = next_look = time.monotonic()
     while not done.wait(0.1):
         if cb.decided:
             return
+        now = time.monotonic()
         if cb.writing_checkpoint():  # a long write is progress: the stall clock starts at its end
-            quiet_since = time.monotonic()
+            quiet_since = now
             continue
-        if time.monotonic() - max(quiet_since, cb.progress_at) > cb.stall_limit():
+        if now - max(quiet_since, cb.progress_at) > cb.stall_limit() and now >= next_look:
+            next_look = now + PEERS_EVERY_S
+            if not cb.peers_gone():  # every rank there (or none to ask): a stop in progress
+                continue
             escalate.set()
             # to the main thread: its blocking call (a sleep, a wait) is interrupted and the handler runs
             signal.pthread_kill(threading.main_thread().ident or 0, sig)

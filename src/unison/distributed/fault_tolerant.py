@@ -223,6 +223,9 @@ class FaultTolerantTrainer(Callback):
     def diagnose(self) -> None:  # a lost replica is survived (its step redone), not a stalled rank
         return None
 
+    def peers_gone(self) -> None:  # replicas come and go: a lost one says nothing about this one
+        return None
+
     def restore(self) -> None:
         self.active = False
         self.after_train()

@@ -139,6 +139,10 @@ class RankMonitor:
         # gone (Ray Train destroys it when a worker dies), and that must not hide who stopped.
         return found if found is not None and found.rank != self.watchdog.rank else None
 
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that left or went silent (`Watchdog.peers_gone`)."""
+        return self.watchdog.peers_gone()
+
     def stop(self) -> None:
         self.watchdog.stop()
         if self._barrier_group is not None:

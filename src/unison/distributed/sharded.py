@@ -383,3 +383,7 @@ class ShardedTrainer(Callback):
         Also remembers the failure, so that `restore` does not let a failing gather hide it."""
         self._failed = True
         return self.monitor.diagnose() if self.monitor is not None else None
+
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
+        return self.monitor.peers_gone() if self.monitor is not None else None

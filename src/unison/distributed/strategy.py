@@ -60,6 +60,11 @@ class Strategy(Protocol):
         """After a failed collective: the rank that stopped taking part, if another one did."""
         ...
 
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that have left or gone silent ([] when all are there; None when it cannot
+        tell): after a stop signal, whether the job is failing or being preempted whole."""
+        ...
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

@@ -178,6 +178,10 @@ class DistributedTrainer(Callback):
         """After a failed collective: the rank that stopped taking part, if another one did."""
         return self.monitor.diagnose() if self.monitor is not None else None
 
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
+        return self.monitor.peers_gone() if self.monitor is not None else None
+
     def after_batch(self) -> None:
         # (Not after an evaluation batch inside a training batch, as an own loop may run: the training
         # batch's micro-step is still in flight.)

@@ -201,6 +201,29 @@ class Watchdog:
         within(READ_LIMIT_S, read)
         return beats
 
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that have left the job or gone silent (dead or frozen): a stop in
+        progress is then a failure, not a preemption every rank takes part in. A store that does
+        not answer counts as every other rank gone (its host is the job); None: no store to ask.
+
+        >>> dog.peers_gone()   # every rank beating
+        []
+        """
+        if self._store is None:
+            return None
+        try:
+            beats = self._read_beats(self._store)
+        except Exception:
+            return [r for r in range(self.world_size) if r != self.rank]
+        now = time.time()
+        return [
+            r
+            for r in range(self.world_size)
+            if r != self.rank
+            and r in beats
+            and (beats[r].get("state") == "left" or now - beats[r]["t"] > 3 * self.interval + 2)
+        ]
+
     def diagnose(self) -> RankStalledError | None:
         """The rank that stopped taking part, from everyone's heartbeats (None if it cannot tell)."""
         if self._store is None:

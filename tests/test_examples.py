@@ -55,7 +55,7 @@ def test_make_demo_trains_on_one_then_two_processes_and_they_agree(
     proc, tmp_path = demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "they agree" in proc.stdout
-    two = proc.stdout.split("=== 2 processes", 1)[1]
+    two = proc.stdout.split("=== 2 processes", 1)[1].split("=== 1 process against 2", 1)[0]
     accuracies = re.findall(r"valid_accuracy (\d\.\d+)", two)
     assert len(accuracies) == 1  # one voice: rank 0 reports, once
     assert float(accuracies[0]) >= 0.95
@@ -65,7 +65,17 @@ def test_make_demo_trains_on_one_then_two_processes_and_they_agree(
         torch.load(tmp_path / "runs" / "demo" / run / "models" / "digits.pth", weights_only=True)["model"]
         for run in ("one", "two")
     )
-    assert max(float((one_w[k].float() - two_w[k].float()).abs().max()) for k in one_w) < 1e-4
+    gap32 = max(float((one_w[k].float() - two_w[k].float()).abs().max()) for k in one_w)
+    if gap32 >= 1e-4:
+        # float32's rounding grew past 1e-4 (on 2026-11-27's CPU, an AVX-512 AMD EPYC, 3 epochs gave
+        # 7e-4 after a jump at step 26; 8 epochs 2.4e-7): the demo then ran the same steps in
+        # float64, which must agree to rounding, read here from its records.
+        assert "=== float32 differs by more than 1e-4" in proc.stdout
+        assert "verdict: exact to float noise" in proc.stdout
+        records = tmp_path / "runs" / "demo" / "check" / "records"
+        one64, two64 = (torch.load(records / f"{n}p-float64.pt", weights_only=True) for n in (1, 2))
+        assert one64["weights"].keys() == one_w.keys() and one64["steps"] == two64["steps"] == 69
+        assert max(float((one64["weights"][k] - two64["weights"][k]).abs().max()) for k in one_w) < 1e-10
     assert (tmp_path / "runs" / "demo" / "agree.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -32,7 +32,9 @@ def launch(tmp_path, *launch_args, script_args=(), timeout=120, nproc=2):
         *script_args,
     ]
     start = time.monotonic()
-    proc = run_or_report(cmd, timeout)
+    # fresh: `leftover_workers` finds a worker the launcher failed to stop by its command line, the
+    # launcher's own (a zygote's fork), which a warm launch does not have (tests/warm_runner.py)
+    proc = run_or_report(cmd, timeout, fresh=True)
     return proc, time.monotonic() - start
 
 

@@ -1,6 +1,7 @@
 """The suite's warm runner (tests/warm_runner.py) runs a script as a fresh interpreter would."""
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -105,3 +106,60 @@ def test_a_warm_process_dropped_unwaited_is_killed_by_the_server(tmp_path):
             break
         assert time.monotonic() < deadline, "the dropped process still runs"
         time.sleep(0.05)
+
+
+LAUNCHED = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from unison.distributed import rank_distrib
+
+    # a worker forked by a zygote forked from the warm server carries the server's modules
+    warm = "tests.warm_runner" in sys.modules
+    print(json.dumps({"rank": rank_distrib(), "warm": warm, "threads": torch.get_num_threads(),
+                      "var": os.environ.get("PROBE_VAR"), "world": os.environ.get("WORLD_SIZE")}))
+    sys.stdout.flush()
+    done = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0-printed")
+    if rank_distrib() == 0:
+        open(done, "w").close()
+        sys.exit(0)
+    import time
+    deadline = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < deadline:  # (else rank 0 is stopped unheard)
+        time.sleep(0.02)
+    os.remove(done)
+    sys.exit(3)
+    """
+)
+
+
+@pytest.mark.launch
+def test_a_launch_runs_warm_unless_a_load_time_variable_differs_and_ends_as_a_fresh_one(tmp_path):
+    """`python -m unison.launch` through the runner: its zygote and workers are forks of the warm
+    child (the worker sees the server's modules), with what a fresh launch gives them (threads, the
+    environment, the failed rank's exit code as the launch's status); a variable read when a library
+    loads, set to another value than the server's, or cold workers asked for, run it fresh."""
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    env = {**os.environ, "PROBE_VAR": "v"}
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--all-ranks-stdout", str(script)]
+    seen = {}
+    for how, extra, fresh in (
+        ("warm", {}, False),
+        ("fresh", {}, True),
+        ("load-time", {"OMP_PROC_BIND": "false"}, False),
+        ("cold", {"UNISON_WARM_START": "0"}, False),
+    ):
+        proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, **extra}, fresh=fresh)
+        out, err = proc.communicate(timeout=120)
+        assert isinstance(proc, WarmProcess) == (how in ("warm", "fresh") and not fresh), how
+        assert proc.returncode == 3, (how, err[-3000:])  # rank 1's exit code, passed on
+        assert "rank 1 failed (exit code 3)" in err, (how, err[-3000:])
+        lines = [line.split("] ", 1)[-1] for line in out.splitlines() if '"rank"' in line]
+        seen[how] = sorted((json.loads(line) for line in lines), key=lambda s: s["rank"])
+    assert [s["warm"] for s in seen["warm"]] == [True, True]
+    for how in ("fresh", "load-time", "cold"):
+        assert [s["warm"] for s in seen[how]] == [False, False], how
+    strip = [{k: v for k, v in s.items() if k != "warm"} for s in seen["warm"]]
+    assert strip == [{k: v for k, v in s.items() if k != "warm"} for s in seen["fresh"]]
+    assert strip[1] == {"rank": 1, "threads": 1, "var": "v", "world": "2"}

@@ -19,11 +19,19 @@ ended closes that socket, and the server then kills the process: nothing outlive
 What it does not get: a fresh import of the preloaded modules, and the interpreter's final
 garbage collection (the child leaves with `os._exit` after atexit, as unison's own workers do).
 
-Run warm: `[sys.executable, "script.py", ...]` and `[sys.executable, "-m", "unison.cli",
-"check-exact", ...]` (which starts its launches as fresh interpreters itself). Everything else runs
-as a `subprocess.Popen`: `unison launch` above all, whose launcher forks its zygote only where
-torch is not imported yet, and a worker bootstrap, which tests check for what it imports. So does
-every command under `UNISON_TEST_FRESH=1` (to tell the runner apart from a failure) or `fresh=True`.
+Run warm: `[sys.executable, "script.py", ...]`, `[sys.executable, "-m", "unison.cli",
+"check-exact", ...]` (which starts its launches as fresh interpreters itself) and
+`[sys.executable, "-m", "unison.launch", ...]`. A launcher forks its zygote only where torch is
+not imported yet, or where `UNISON_PRELOADED_PID` names the process (`zygote.can_fork`): the
+child sets it for a launch, whose zygote is then a fork of this preloaded child, its workers forks
+of that: a launch costs about 0.8 CPU-s where a fresh one costs 3.8 (a 2-process launch of a
+script that only imports unison). A launch stays fresh where its environment sets a variable read
+when a library loads (`zygote.loaded_differently`) to another value than the server loaded under,
+or asks for cold workers (`UNISON_WARM_START=0`); and where a test passes `fresh=True`, as the
+ones that look for leftover workers by their command line do (a warm launch's workers show the
+server's). Everything else runs as a `subprocess.Popen`, a worker bootstrap above all, which tests
+check for what it imports. So does every command under `UNISON_TEST_FRESH=1` (to tell the runner
+apart from a failure).
 
     proc = start([sys.executable, str(script), "--out", out], stdout=PIPE, stderr=PIPE)
     out, err = proc.communicate(timeout=300)
@@ -94,6 +102,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
     import threading
     import traceback
 
+    from unison.env_names import PRELOADED_PID_ENV
     from unison.launch.zygote import _reseed
 
     for number, fd in enumerate(fds):
@@ -121,6 +130,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
     else:
         faulthandler.disable()
     _reseed()  # torch's and NumPy's generators, as a new interpreter seeds them (fork reseeds `random`)
+    if request.get("launch"):  # its zygote may be forked from here (`zygote.can_fork`)
+        os.environ[PRELOADED_PID_ENV] = str(os.getpid())
     argv, module = request["argv"], request["module"]
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -254,6 +265,7 @@ class _Server:
 
     proc: subprocess.Popen | None = None
     path = ""
+    env: dict[str, str] = {}  # what it was started with: torch loaded under it
 
     @classmethod
     def address(cls) -> str:
@@ -270,6 +282,7 @@ class _Server:
         cls.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=root, start_new_session=True
         )
+        cls.env = env
         atexit.register(cls.stop)
         assert cls.proc.stdout is not None
         selector = selectors.DefaultSelector()
@@ -396,15 +409,40 @@ class WarmProcess:
         return self._decoded("stdout"), self._decoded("stderr")
 
 
-def _warm_target(args: Sequence[Any], cwd: Any = None) -> tuple[list[str], str | None] | None:
-    """(argv, module) where `args` runs a script file, or `unison check-exact`, on this interpreter;
-    else None. `unison launch` and its other modules always start fresh: the launcher forks its
-    zygote only where torch is not imported yet (`zygote.can_fork`), and a worker's bootstrap is
-    checked for what it imports."""
+#: Read when a library loads, but applied by the child itself (sys.path, streams, threads) or
+#: without effect on what a test checks (bytecode files; huge pages, which `unison launch` sets;
+#: the compiler's cache folder, which inductor writes into os.environ when a test compiles).
+_APPLIED_BY_CHILD = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONIOENCODING")
+_APPLIED_BY_CHILD += ("PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
+_APPLIED_BY_CHILD += ("TORCHINDUCTOR_CACHE_DIR",)
+
+
+def _launch_runs_warm(env: dict[str, str] | None) -> bool:
+    """Whether a launch with `env` may run in a child of the server (see the module's docstring)."""
+    from unison.env_names import WARM_START_ENV
+    from unison.launch.zygote import loaded_differently
+
+    env = dict(os.environ if env is None else env)
+    if env.get(WARM_START_ENV, "1") == "0":
+        return False
+    _Server.address()  # (started, so its environment is known)
+    mine = {k: v for k, v in env.items() if k not in _APPLIED_BY_CHILD}
+    server = {k: v for k, v in _Server.env.items() if k not in _APPLIED_BY_CHILD}
+    return loaded_differently(mine, server) is None
+
+
+def _warm_target(
+    args: Sequence[Any], cwd: Any = None, env: dict[str, str] | None = None
+) -> tuple[list[str], str | None] | None:
+    """(argv, module) where `args` runs a script file, `unison check-exact` or `unison launch` on
+    this interpreter; else None. `unison launch`'s other modules always start fresh: a worker's
+    bootstrap is checked for what it imports."""
     args = [os.fspath(a) for a in args]
     if len(args) < 2 or args[0] != sys.executable:
         return None
     if args[1] == "-m" and args[2:4] == ["unison.cli", "check-exact"]:
+        return [args[2], *args[3:]], args[2]
+    if args[1] == "-m" and args[2:3] == ["unison.launch"] and _launch_runs_warm(env):
         return [args[2], *args[3:]], args[2]
     script = os.path.join(os.fspath(cwd) if cwd is not None else os.getcwd(), args[1])
     if not args[1].startswith("-") and args[1].endswith(".py") and os.path.isfile(script):
@@ -425,7 +463,7 @@ def start(
 ) -> WarmProcess | subprocess.Popen:
     """`subprocess.Popen(args, ...)` for a Python command, run as a fork of the warm server (see the
     module's docstring). stdin: None or PIPE; stdout: None, PIPE or a file; stderr: also STDOUT."""
-    target = None if fresh or os.environ.get(FRESH_ENV) == "1" else _warm_target(args, cwd)
+    target = None if fresh or os.environ.get(FRESH_ENV) == "1" else _warm_target(args, cwd, env)
     if target is None:
         return subprocess.Popen(args, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env, text=text)
     argv, module = target
@@ -456,6 +494,7 @@ def start(
         "module": module,
         "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
         "env": dict(env if env is not None else os.environ),
+        "launch": module == "unison.launch",
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -22,6 +22,10 @@ LAUNCHER_PID_ENV = "UNISON_LAUNCHER_PID"
 ZYGOTE_ENV = "UNISON_ZYGOTE"
 #: "0": every worker starts cold, a new interpreter (`launch.zygote.warm_start_allowed`).
 WARM_START_ENV = "UNISON_WARM_START"
+#: The pid of a process that imported the zygote's `PRELOAD` and ran nothing else, under the launch's
+#: environment (the test suite's warm runner, tests/warm_runner.py): a launcher that is that process
+#: forks its zygote from itself although torch is loaded (`launch.zygote.can_fork`).
+PRELOADED_PID_ENV = "UNISON_PRELOADED_PID"
 #: `--timeout`: seconds every collective may take before a missing rank is named (`distributed.group`).
 TIMEOUT_ENV = "UNISON_TIMEOUT"
 #: "gloo": train on the CPU even where CUDA is available (`distributed.devices`).

@@ -30,7 +30,9 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "UNISON_WARM_START": "1" if warm else "0"}
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(PROBE), str(out), mode]
-    return run_or_report(cmd, 180, env=env, cwd=cwd)
+    # fresh: these tests check the launcher's own zygote, forked from a launcher that imported torch
+    # itself (a warm launch's is forked from the suite's preloaded runner: tests/warm_runner.py)
+    return run_or_report(cmd, 180, env=env, cwd=cwd, fresh=True)
 
 
 def records(out: Path, attempt: int = 0) -> list[dict]:

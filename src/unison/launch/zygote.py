@@ -54,7 +54,7 @@ import threading
 from collections.abc import Mapping
 from typing import NoReturn
 
-from unison.env_names import LAUNCHER_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
+from unison.env_names import LAUNCHER_PID_ENV, PRELOADED_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
 from unison.launch.stub import REQUEST_HEADER, catchable_signals
 
@@ -178,13 +178,15 @@ class Zygote:
 
 def can_fork() -> bool:
     """Whether `Zygote.start` may fork this process: torch not loaded yet (so it loads under the
-    environment the launcher sets first, such as `THP_MEM_ALLOC_ENABLE`) and no other Python
-    thread (forking is safe only then).
+    environment the launcher sets first, such as `THP_MEM_ALLOC_ENABLE`), or loaded by a process
+    that preloaded `PRELOAD` alone and says so (`PRELOADED_PID_ENV` holds its pid: the test
+    suite's warm runner), and no other Python thread (forking is safe only then).
 
     >>> can_fork() in (True, False)
     True
     """
-    return "torch" not in sys.modules and threading.active_count() == 1
+    preloaded = os.environ.get(PRELOADED_PID_ENV) == str(os.getpid())
+    return ("torch" not in sys.modules or preloaded) and threading.active_count() == 1
 
 
 def _serve_forked(path: str, env: Mapping[str, str]) -> NoReturn:

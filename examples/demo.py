@@ -78,7 +78,7 @@ def main() -> None:
     steps = len(one["batch_losses"])
     print(f"\n=== float32 differs by more than 1e-4: the same {steps} steps in float64 (unison check-exact)")
     check = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", str(steps)]
-    check += ["--float64", "--batch-arg", "bs", "--keep", str(OUT / "check" / "records")]
+    check += ["--float64-only", "--batch-arg", "bs", "--keep", str(OUT / "check" / "records")]
     check += [str(SCRIPT), "--bs", "64", *epochs, "--out", str(OUT / "check")]
     exact = subprocess.run(check).returncode == 0
     print(

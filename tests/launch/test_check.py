@@ -185,13 +185,17 @@ def test_the_digits_example_is_exact_on_1_and_2_processes(tmp_path: Path) -> Non
 def test_a_rank_dependent_loss_diverges_naming_the_parameter(tmp_path: Path) -> None:
     """Rank 1 adds PUSH * sum(output bias) to its loss. After one SGD step the 2-process bias is
     off by lr * PUSH * (rank 1's share of the global batch) = 0.1 * 0.01 * 8/16, every other
-    tensor equal: float64 shows exactly that, and the check names `2.bias`."""
+    tensor equal: float64 shows exactly that, and the check names `2.bias`. (`--float64-only`: the
+    two float64 runs alone, as `make demo` asks where its float32 runs differed.)"""
     script = tmp_path / "push.py"
     script.write_text(PUSH_SCRIPT)
     keep = tmp_path / "keep"
-    args = ["--nproc", "2", "--steps", "1", "--float64", "--keep", str(keep), str(script), "--push", "0.01"]
+    args = ["--nproc", "2", "--steps", "1", "--float64-only", "--keep", str(keep)]
+    args += [str(script), "--push", "0.01"]
     proc = check_exact(args, tmp_path, 270)
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert sorted(p.name for p in keep.glob("*.pt")) == ["1p-float64.pt", "2p-float64.pt"]
+    assert "float32 (as the script runs)" not in proc.stdout and "float64:" in proc.stdout
     expected = 0.1 * 0.01 * 8 / 16
     _, each = max_dw(keep, "float64")
     assert each.pop("2.bias") == pytest.approx(expected, abs=1e-15)

@@ -6,8 +6,9 @@
 It runs the script under `unison launch`, on 1 process and on W, with `UNISON_EXACT_PROBE` set:
 the script's first `Learner.fit` stops after `--steps` optimizer steps and rank 0 records the
 weights, each step's loss and the metrics (`unison.callbacks.exactness_probe`). With `--float64`
-the same two runs are made again in float64. The report gives the largest difference in
-weights (and which parameters), per-step losses and metrics, and a verdict:
+the same two runs are made again in float64 (`--float64-only`: those alone). The report gives
+the largest difference in weights (and which parameters), per-step losses and metrics, and a
+verdict:
 
 - with `--float64`: "exact to float noise" when the float64 runs agree to `--rtol` (default
   1e-8, relative), else "DIVERGES", naming the parameters that differ;
@@ -68,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
     parser.add_argument(
         "--float64", action="store_true", help="also run both in float64: tells float noise from divergence"
+    )
+    parser.add_argument(
+        "--float64-only",
+        action="store_true",
+        help="run the two float64 runs alone (where the float32 ones were compared already)",
     )
     parser.add_argument(
         "--batch-arg",
@@ -228,7 +234,8 @@ def check(opts: argparse.Namespace, out: Path) -> int:
     print(
         f"unison check-exact: {target}: {opts.steps} optimizer step(s), 1 process vs {opts.nproc}", flush=True
     )
-    dtypes = [False, True] if opts.float64 else [False]
+    opts.float64 = opts.float64 or opts.float64_only
+    dtypes = [True] if opts.float64_only else [False, True] if opts.float64 else [False]
     records: dict[tuple[int, bool], dict[str, Any]] = {}
     for float64 in dtypes:
         for nproc in (1, opts.nproc):
@@ -242,24 +249,27 @@ def check(opts: argparse.Namespace, out: Path) -> int:
                 raise
             print(f" {run.seconds:.1f}s", flush=True)
         preflight(records[1, float64], records[opts.nproc, float64], opts.nproc, opts.batch_arg)
-    one = records[1, False]
+    one = records[1, dtypes[0]]
     steps = one["steps"]
     bs = one["batch_size"]
     batch = f", global batch {bs}" if bs is not None else ""
     note = "" if steps == opts.steps else f" (the fit ended after {steps} of the {opts.steps} asked)"
     print(f"compared after {steps} optimizer step(s){note}{batch}")
-    cmp32 = compare(records[1, False], records[opts.nproc, False])
+    cmp32 = compare(records[1, False], records[opts.nproc, False]) if False in dtypes else None
     cmp64 = compare(records[1, True], records[opts.nproc, True]) if opts.float64 else None
     tol64 = RTOL_FLOAT64 if opts.rtol is None else opts.rtol
     tol32 = None if opts.float64 else (RTOL_FLOAT32 if opts.rtol is None else opts.rtol)
-    print("\n".join(describe(cmp32, opts.nproc, "float32 (as the script runs)", tol32)))
+    if cmp32 is not None:
+        print("\n".join(describe(cmp32, opts.nproc, "float32 (as the script runs)", tol32)))
     if cmp64 is not None:
         print("\n".join(describe(cmp64, opts.nproc, "float64", tol64)))
     status, line = verdict(cmp32, cmp64, opts.nproc, opts.rtol)
     print(f"verdict: {line}", flush=True)
     # The tensors beyond float32's tolerance (or, in float64, beyond --rtol), and whether one of
     # them is a parameter whose gradient is pure rounding noise: that explains the difference.
-    differing = [n for n, _, rel in cmp32.weights if rel > (tol32 or RTOL_FLOAT32)]
+    differing = (
+        [n for n, _, rel in cmp32.weights if rel > (tol32 or RTOL_FLOAT32)] if cmp32 is not None else []
+    )
     differing += cmp64.diverging(tol64) if cmp64 is not None else []
     dtype = "float64" if opts.float64 else "float32"
     hint = noise_hint(

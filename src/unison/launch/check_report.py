@@ -177,7 +177,9 @@ def _names(cmp: Comparison, tol: float) -> str:
     return ", ".join(names[:TOP]) + more
 
 
-def verdict(cmp32: Comparison, cmp64: Comparison | None, nproc: int, rtol: float | None) -> tuple[int, str]:
+def verdict(
+    cmp32: Comparison | None, cmp64: Comparison | None, nproc: int, rtol: float | None
+) -> tuple[int, str]:
     """(exit status, verdict line).
 
     Weights and per-step losses are judged at `rtol` (float64: 1e-8, float32: 1e-5 by default).
@@ -186,6 +188,7 @@ def verdict(cmp32: Comparison, cmp64: Comparison | None, nproc: int, rtol: float
     """
     many = procs(nproc)
     decisive = cmp64 if cmp64 is not None else cmp32
+    assert decisive is not None, "no comparison to judge"
     tol = (RTOL_FLOAT64 if cmp64 is not None else RTOL_FLOAT32) if rtol is None else rtol
     metric_tol = max(tol, RTOL_FLOAT32)
     gap, metric_gap = decisive.max_rel, decisive.max_rel_metric
@@ -198,9 +201,14 @@ def verdict(cmp32: Comparison, cmp64: Comparison | None, nproc: int, rtol: float
         metric_note = f", metrics to {metric_gap:.1e} ({sign} {metric_tol:g}{why})"
     if cmp64 is not None:
         if agree:
-            return 0, (
-                f"exact to float noise: in float64, {many} agree with 1 to {weights}{metric_note}; "
-                f"the float32 difference ({cmp32.max_rel:.1e} relative) is rounding"
+            rounding = (
+                ""
+                if cmp32 is None
+                else f"; the float32 difference ({cmp32.max_rel:.1e} relative) is rounding"
+            )
+            return (
+                0,
+                f"exact to float noise: in float64, {many} agree with 1 to {weights}{metric_note}{rounding}",
             )
         return 1, (
             f"DIVERGES: in float64, {many} differ from 1 by {weights}{metric_note}: not float noise. "

@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,8 +156,9 @@ def test_a_launch_runs_warm_unless_a_load_time_variable_differs_and_ends_as_a_fr
         assert isinstance(proc, WarmProcess) == (how in ("warm", "fresh") and not fresh), how
         assert proc.returncode == 3, (how, err[-3000:])  # rank 1's exit code, passed on
         assert "rank 1 failed (exit code 3)" in err, (how, err[-3000:])
-        lines = [line.split("] ", 1)[-1] for line in out.splitlines() if '"rank"' in line]
-        seen[how] = sorted((json.loads(line) for line in lines), key=lambda s: s["rank"])
+        # (the JSON alone: torch's tailer may show a line written in two parts as two prefixed parts)
+        found = [re.search(r'\{"rank".*?\}', line) for line in out.splitlines()]
+        seen[how] = sorted((json.loads(m.group(0)) for m in found if m), key=lambda s: s["rank"])
     assert [s["warm"] for s in seen["warm"]] == [True, True]
     for how in ("fresh", "load-time", "cold"):
         assert [s["warm"] for s in seen[how]] == [False, False], how

@@ -292,8 +292,12 @@ def test_between_periodic_quorums_a_replica_that_joins_is_taken_in_at_the_next_o
     assert runs["r0"]["steps"] == total and first["redone"] == 0, first
     seen = first["participants"]
     assert seen[:8] == [2] * 8 and seen[-1] == 3 and sorted(seen) == seen, seen  # 2, then 3 for good
-    # Fewer quorums than steps (each at least 0.5 s after the last), yet none missed the newcomer.
-    assert 2 <= first["quorums"] < total // 2, first["quorums"]
+    # Fewer quorums than steps, yet none missed the newcomer. How many fewer depends on the steps'
+    # time, not a test's business: quiet, a quorum about every 10 steps; in a loaded double run
+    # (load 9-13) 33 of the 64 steps had one (the bound was total // 2 then, and failed). A gap
+    # between two quorums is not bounded below by the interval either: the first replica whose
+    # interval is up asks, and the replicas' clocks reset up to a step apart (0.37 s seen).
+    assert 2 <= first["quorums"] < total, first["quorums"]
     healed = runs["r2"]["events"]["healed_at"]
     joined = healed[0] * runs["r0"]["steps_per_epoch"] + healed[1]
     assert joined >= 8 and runs["r2"]["steps"] == total - joined, healed

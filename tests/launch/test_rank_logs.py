@@ -193,6 +193,21 @@ def test_the_launchers_line_starts_a_line_of_its_own_after_a_cut_off_rank_line(t
     assert err == "unison launch: restarting the workers (restart 1 of 1)\n"
 
 
+def test_a_rank_line_read_in_two_parts_shows_one_prefix_and_another_ranks_line_its_own(tmp_path, capsys):
+    """torch's tailer reads a rank's file by lines and prefixes what it read: a line the rank wrote in
+    two parts (print's text, then its newline, read in between on a loaded machine) came out as
+    `[rank1] {...}[rank1] ` (seen in a loaded double run, 2026-11-27)."""
+    specs = RankLogsSpecs(str(tmp_path))
+    with specs.console_guard():
+        sys.stdout.write('[rank1] {"rank": 1}')  # what the tailer read before the newline came
+        sys.stdout.write("[rank1] \n")  # the rest of that line
+        sys.stdout.write("[rank0] half")
+        sys.stdout.write("[rank1] whole\n")  # another rank's line: the open one ends first
+        sys.stdout.write("[rank0]  a line\n")  # rank 0's next part comes after: its own prefix again
+    out, _ = capsys.readouterr()
+    assert out == '[rank1] {"rank": 1}\n[rank0] half\n[rank1] whole\n[rank0]  a line\n'
+
+
 def test_a_console_whose_reader_left_drops_lines_once_said_and_keeps_the_logs(tmp_path, monkeypatch, capfd):
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone: writing raises BrokenPipeError (EPIPE)

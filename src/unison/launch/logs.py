@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -237,13 +238,23 @@ def _headline(error_file: str) -> str | None:
         return None
 
 
+#: The prefix torch's tailer puts before each piece of a rank's output it read (`[rank1] `).
+_RANK_PREFIX = re.compile(r"\[[^\]\n]*\] ?")
+
+
 class _Console(io.TextIOBase):
-    """A console stream that, once its reader is gone, drops what is written instead of raising."""
+    """A console stream that, once its reader is gone, drops what is written instead of raising.
+
+    torch's tailer writes each piece of a rank's file it read, with the rank's prefix: a line the
+    rank wrote in two parts (a loaded machine reads in between) comes as two prefixed pieces. The
+    second piece of the line still open here goes on without its prefix; another rank's piece
+    ends the open line first."""
 
     def __init__(self, stream: io.TextIOBase, name: str, owner: RankLogsSpecs) -> None:
         self._stream, self._name, self._owner = stream, name, owner
         self._gone = False
         self._mid_line = False  # the last text written did not end its line
+        self._open_prefix: str | None = None  # the rank prefix of that open line
 
     def end_line(self) -> None:
         """Write an end of line if the last text written left its line open."""
@@ -261,11 +272,19 @@ class _Console(io.TextIOBase):
         self._owner.lost_console(self._name, exc)
 
     def write(self, text: str) -> int:
+        shown = text
         if text:
-            self._mid_line = not text.endswith("\n")
+            found = _RANK_PREFIX.match(text)
+            prefix = found.group(0) if found else None
+            with _LOCK:
+                if prefix is not None and self._mid_line:
+                    # the rest of the open line: no second prefix; another rank's: on a line of its own
+                    shown = text[len(prefix) :] if prefix == self._open_prefix else "\n" + text
+                self._mid_line = not text.endswith("\n")
+                self._open_prefix = prefix if self._mid_line else None
         if not self._gone:
             try:
-                self._stream.write(text)
+                self._stream.write(shown)
                 if "\n" in text:
                     self._stream.flush()
             except (OSError, ValueError) as exc:  # EPIPE, a closed file

@@ -225,3 +225,49 @@ def test_another_jobs_oom_kill_is_not_blamed_for_a_kill_9(tmp_path):
     assert "unison launch: rank 0 failed (signal SIGKILL)" in err, err[-3000:]
     assert "OOM killer (out of memory): it ended" not in err, err[-3000:]
     assert "by kill -9, or by a scheduler's hard stop" in err, err[-3000:]
+
+
+def test_a_v1_cgroup_removed_during_the_attempt_does_not_hide_an_oom_kill_in_another(tmp_path):
+    """cgroup v1 counts OOM kills per cgroup, and the job's count is the sum over its tree. A cgroup
+    below it that held an earlier kill and is removed during the attempt (another test's, another
+    job step's) took that kill out of the sum: a new kill then left the sum where it was, and the
+    rank's SIGKILL was not put down to the OOM killer (a loaded double run of the suite, 2026-11-27).
+    Read from real files laid out as v1's, under a root folder given to `oom_count`."""
+    own = next(
+        (
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().split()
+            if ":memory:" in line
+        ),
+        None,
+    )
+    if (
+        own is None
+        or own == "/"
+        or any(
+            line.startswith("0::/") and line != "0::/"
+            for line in Path("/proc/self/cgroup").read_text().split()
+        )
+    ):
+        pytest.skip("this process is not in a cgroup v1 memory cgroup of its own")
+    top = tmp_path / "memory" / own.lstrip("/")
+
+    def cgroup(name: str, kills: int) -> Path:
+        folder = top / name if name else top
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "memory.oom_control").write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {kills}\n")
+        return folder
+
+    cgroup("", 0)
+    earlier = cgroup("unison-oom-a", 1)  # a kill before this attempt, in a cgroup soon removed
+    cgroup("unison-oom-b", 0)
+    before = oom_count(root=tmp_path)
+    assert before is not None and before.own_cgroup and before.kills == 1
+    (earlier / "memory.oom_control").unlink()
+    earlier.rmdir()
+    cgroup("unison-oom-b", 1)  # this attempt's kill: the sum is 1 again
+    assert oom_count(root=tmp_path).kills == 1
+    assert sigkill_cause(before, root=tmp_path).startswith(
+        "killed by the kernel's OOM killer (out of memory)"
+    )
+    assert "it ended 1 process(es) in this job's memory cgroup" in sigkill_cause(before, root=tmp_path)

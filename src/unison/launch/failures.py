@@ -18,7 +18,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -242,6 +242,9 @@ class OomCount:
     kills: int
     source: str
     own_cgroup: bool
+    #: v1's count per cgroup of the tree: a cgroup removed since (another job step's, a test's) takes
+    #: its kills out of the sum, so kills since a count are the rises per cgroup, not of the sum
+    per_cgroup: tuple[tuple[str, int], ...] = field(default=(), repr=False, compare=False)
 
 
 def _memory_cgroup_files(pid: int | str, root: Path) -> tuple[list[Path], str] | None:
@@ -267,16 +270,17 @@ def _memory_cgroup_files(pid: int | str, root: Path) -> tuple[list[Path], str] |
     return None  # none, or the root cgroup ("/"): as good as the machine's count
 
 
-def _count(files: list[Path]) -> int | None:
-    total, found = 0, False
+def _count(files: list[Path]) -> dict[str, int] | None:
+    """Each file's oom_kill count (None where no file has one)."""
+    counts: dict[str, int] = {}
     for path in files:
         try:
             for line in path.read_text().splitlines():
                 if line.startswith("oom_kill "):
-                    total, found = total + int(line.split()[1]), True
+                    counts[str(path)] = int(line.split()[1])
         except (OSError, ValueError):
             continue  # a cgroup removed since the walk
-    return total if found else None
+    return counts or None
 
 
 def oom_count(pid: int | str = "self", root: str | os.PathLike[str] = "/sys/fs/cgroup") -> OomCount | None:
@@ -288,9 +292,9 @@ def oom_count(pid: int | str = "self", root: str | os.PathLike[str] = "/sys/fs/c
     """
     found = _memory_cgroup_files(pid, Path(root))
     if found is not None:
-        kills = _count(found[0])
-        if kills is not None:
-            return OomCount(kills, found[1], True)
+        counts = _count(found[0])
+        if counts is not None:
+            return OomCount(sum(counts.values()), found[1], True, tuple(sorted(counts.items())))
     try:
         with open("/proc/vmstat") as fh:
             for line in fh:
@@ -312,9 +316,14 @@ def oom_kills_since(
     if before is None:
         return None
     now = oom_count(root=root)
-    if now is None or now.source != before.source or now.kills <= before.kills:
+    if now is None or now.source != before.source:
         return None
-    return OomCount(now.kills - before.kills, now.source, now.own_cgroup)
+    if now.per_cgroup:  # rises per cgroup: one removed since must not hide a kill in another
+        earlier = dict(before.per_cgroup)
+        kills = sum(max(0, n - earlier.get(path, 0)) for path, n in now.per_cgroup)
+    else:
+        kills = now.kills - before.kills
+    return OomCount(kills, now.source, now.own_cgroup) if kills > 0 else None
 
 
 def sigkill_cause(before: OomCount | None, root: str | os.PathLike[str] = "/sys/fs/cgroup") -> str:

@@ -318,7 +318,7 @@ def oom_kills_since(
     now = oom_count(root=root)
     if now is None or now.source != before.source:
         return None
-    if now.per_cgroup:  # rises per cgroup: one removed since must not hide a kill in another
+    if now.per_cgroup and before.per_cgroup:  # rises per cgroup: one removed must not hide another's kill
         earlier = dict(before.per_cgroup)
         kills = sum(max(0, n - earlier.get(path, 0)) for path, n in now.per_cgroup)
     else:

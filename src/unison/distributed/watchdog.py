@@ -221,8 +221,12 @@ class Watchdog:
             for r in range(self.world_size)
             if r != self.rank
             and r in beats
-            and (beats[r].get("state") == "left" or now - beats[r]["t"] > 3 * self.interval + 2)
+            and (beats[r].get("state") == "left" or self._silent(beats[r], now))
         ]
+
+    def _silent(self, beat: dict, now: float) -> bool:
+        """Whether a heartbeat is too old for a rank still running (a few missed intervals)."""
+        return now - beat["t"] > 3 * self.interval + 2
 
     def diagnose(self) -> RankStalledError | None:
         """The rank that stopped taking part, from everyone's heartbeats (None if it cannot tell)."""
@@ -252,7 +256,7 @@ class Watchdog:
         # A rank that left publishes no more beats: its silence is no stall. (Another rank that
         # failed on the same stall leaves too, at the others' position: the lagging one is named.)
         left = {r for r, b in beats.items() if b.get("state") == "left" and r != self.rank}
-        silent = [r for r, b in beats.items() if r not in left and now - b["t"] > 3 * self.interval + 2]
+        silent = [r for r, b in beats.items() if r not in left and self._silent(b, now)]
         if silent:
             r = silent[0]
             return RankStalledError(

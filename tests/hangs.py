@@ -110,3 +110,17 @@ def run_or_report(
     else:
         out, err = communicate_or_report(proc, timeout)
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def wait_ended(pid: int, timeout: float, what: str) -> None:
+    """Poll until process `pid` has ended (gone, or a zombie its parent has yet to reap); past
+    `timeout` seconds the test fails saying `what` still runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"{what} still runs after {timeout:g} s"
+        time.sleep(0.05)

@@ -19,19 +19,19 @@ ended closes that socket, and the server then kills the process: nothing outlive
 What it does not get: a fresh import of the preloaded modules, and the interpreter's final
 garbage collection (the child leaves with `os._exit` after atexit, as unison's own workers do).
 
-Run warm: `[sys.executable, "script.py", ...]`, `[sys.executable, "-m", "unison.cli",
-"check-exact", ...]` (which starts its launches as fresh interpreters itself) and
-`[sys.executable, "-m", "unison.launch", ...]`. A launcher forks its zygote only where torch is
-not imported yet, or where `UNISON_PRELOADED_PID` names the process (`zygote.can_fork`): the
-child sets it for a launch, whose zygote is then a fork of this preloaded child, its workers forks
-of that: a launch costs about 0.8 CPU-s where a fresh one costs 3.8 (a 2-process launch of a
-script that only imports unison). A launch stays fresh where its environment sets a variable read
-when a library loads (`zygote.loaded_differently`) to another value than the server loaded under,
-or asks for cold workers (`UNISON_WARM_START=0`); and where a test passes `fresh=True`, as the
-ones that look for leftover workers by their command line do (a warm launch's workers show the
-server's). Everything else runs as a `subprocess.Popen`, a worker bootstrap above all, which tests
-check for what it imports. So does every command under `UNISON_TEST_FRESH=1` (to tell the runner
-apart from a failure).
+Run warm: `[sys.executable, "script.py", ...]`, `[sys.executable, "-m", "unison.cli", "check-exact",
+...]` (whose launches are then forks of its child, `launch.forked_launch`, unless its environment
+would make a launch fresh) and `[sys.executable, "-m", "unison.launch", ...]`. A launcher forks its
+zygote only where torch is not imported yet, or where `UNISON_PRELOADED_PID` names the process
+(`zygote.can_fork`): the child sets it for a launch, whose zygote is then a fork of this preloaded
+child, its workers forks of that: a launch costs about 0.8 CPU-s where a fresh one costs 3.8 (a
+2-process launch of a script that only imports unison). A launch stays fresh where its environment
+sets a variable read when a library loads (`zygote.loaded_differently`) to another value than the
+server loaded under, or asks for cold workers (`UNISON_WARM_START=0`); and where a test passes
+`fresh=True`, as the ones that look for leftover workers by their command line do (a warm launch's
+workers show the server's). Everything else runs as a `subprocess.Popen`, a worker bootstrap above
+all, which tests check for what it imports. So does every command under `UNISON_TEST_FRESH=1` (to
+tell the runner apart from a failure).
 
     proc = start([sys.executable, str(script), "--out", out], stdout=PIPE, stderr=PIPE)
     out, err = proc.communicate(timeout=300)
@@ -54,6 +54,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from unison.launch.forked_launch import ForkedLaunch
 
 #: Set to 1 to run every command as a fresh interpreter (to tell the runner apart from a failure).
 FRESH_ENV = "UNISON_TEST_FRESH"
@@ -304,9 +306,10 @@ class _Server:
         cls.proc = None
 
 
-class WarmProcess:
+class WarmProcess(ForkedLaunch):
     """A command run by the warm server, with `subprocess.Popen`'s interface for what tests use:
-    `pid`, `args`, `returncode`, `poll`, `wait`, `communicate`, `send_signal`, `terminate`, `kill`."""
+    `pid`, `args`, `returncode`, `poll`, `wait`, `communicate`, `send_signal`, `terminate`, `kill`
+    (the signals sent to its pid, as `ForkedLaunch` sends them; its status comes over the socket)."""
 
     def __init__(
         self, args: list[str], conn: socket.socket, pid: int, pipes: dict[str, int | None], text: bool
@@ -343,17 +346,6 @@ class WarmProcess:
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def _decoded(self, name: str) -> Any:
         if name not in self._piped:
@@ -409,12 +401,24 @@ class WarmProcess:
         return self._decoded("stdout"), self._decoded("stderr")
 
 
-#: Read when a library loads, but applied by the child itself (sys.path, streams, threads) or
-#: without effect on what a test checks (bytecode files; huge pages, which `unison launch` sets;
-#: the compiler's cache folder, which inductor writes into os.environ when a test compiles).
+#: Read when a library loads, but applied by the child itself (sys.path, streams, threads, the
+#: breakpoint hook, which reads its variable at each call) or without effect on what a test checks
+#: (bytecode files; huge pages, which `unison launch` sets). Some a library writes into the pytest
+#: process's os.environ when a test imports or runs it there, so that every later launch of that
+#: pytest process would run fresh: the compiler's cache folder (inductor, when a test compiles),
+#: Intel OpenMP's two (fastai on import; torch's wheel loads GNU OpenMP, which reads neither) and
+#: the breakpoint hook (Ray on `ray.init`).
 _APPLIED_BY_CHILD = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONIOENCODING")
 _APPLIED_BY_CHILD += ("PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
-_APPLIED_BY_CHILD += ("TORCHINDUCTOR_CACHE_DIR",)
+_APPLIED_BY_CHILD += ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
+_APPLIED_BY_CHILD += ("PYTHONBREAKPOINT",)
+
+
+def server_env() -> dict[str, str]:
+    """The environment the server loaded under (started if it was not): a test that checks what
+    runs warm starts from it, not from os.environ, which earlier tests' libraries may have changed."""
+    _Server.address()
+    return dict(_Server.env)
 
 
 def _launch_runs_warm(env: dict[str, str] | None) -> bool:
@@ -494,7 +498,8 @@ def start(
         "module": module,
         "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
         "env": dict(env if env is not None else os.environ),
-        "launch": module == "unison.launch",
+        # A launch, or check-exact's launches (`launch.forked_launch`), may fork from the child.
+        "launch": module == "unison.launch" or (module == "unison.cli" and _launch_runs_warm(env)),
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

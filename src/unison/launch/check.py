@@ -3,7 +3,8 @@
     unison check-exact --nproc 2 --steps 5 --float64 train.py --epochs 3
     unison check-exact --nproc 4 --batch-arg bs train.py --bs 256     # --bs is per process
 
-It runs the script under `unison launch`, on 1 process and on W, with `UNISON_EXACT_PROBE` set:
+It runs the script under `unison launch` (a new interpreter each time, or a fork of this process
+where it preloaded torch: `launch.forked_launch`), on 1 process and on W, with `UNISON_EXACT_PROBE` set:
 the script's first `Learner.fit` stops after `--steps` optimizer steps and rank 0 records the
 weights, each step's loss and the metrics (`unison.callbacks.exactness_probe`). With `--float64`
 the same two runs are made again in float64 (`--float64-only`: those alone). The report gives
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
+from unison.launch import forked_launch
 from unison.launch.check_report import (
     RTOL_FLOAT32,
     RTOL_FLOAT64,
@@ -146,16 +148,14 @@ def run_once(run: Run, opts: argparse.Namespace, steps: int) -> dict[str, Any]:
     args = list(opts.args)
     if opts.batch_arg and run.nproc > 1:
         args = scale_batch_arg(args, opts.batch_arg, run.nproc)
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", str(run.nproc)]
-    cmd += ["-m"] if opts.module else []
-    cmd += [opts.script, *args]
+    launch_args = ["--nproc", str(run.nproc), *(["-m"] if opts.module else []), opts.script, *args]
     env = {**os.environ, PROBE_ENV: str(run.record), STEPS_ENV: str(steps)}
     env.pop(FLOAT64_ENV, None)
     if run.float64:
         env[FLOAT64_ENV] = "1"
     start = time.monotonic()
     with open(run.log, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = forked_launch.start(launch_args, env, log)
         try:
             status = proc.wait(timeout=opts.run_timeout)
         except BaseException as exc:  # past the time limit, or Ctrl-C: leave no launcher behind

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from tests.hangs import communicate_or_report
+from tests.warm_runner import WarmProcess
+from tests.warm_runner import start as warm_start
 from unison.cli import env_report
 from unison.cli import main as cli_main
 from unison.distributed.env import threads_per_worker
@@ -43,16 +45,18 @@ def free_port() -> int:
 
 def start(
     cmd: list[str], env: dict[str, str] | None = None, unset: tuple[str, ...] = (), cwd: Path = ROOT
-) -> tuple[subprocess.Popen, float]:
-    """Start `cmd` in `cwd` (stdout and stderr captured apart); return it with its start time."""
+) -> tuple[subprocess.Popen | WarmProcess, float]:
+    """Start `cmd` in `cwd` (stdout and stderr captured apart); return it with its start time.
+    A launch or a script on this machine runs as a fork of the warm runner (tests/warm_runner.py);
+    anything else (the console script, `ip netns exec`, torchrun) is a `subprocess.Popen`."""
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = warm_start(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, time.monotonic()
 
 
-def finish(started: tuple[subprocess.Popen, float], timeout: float = WAIT_S) -> tuple[int, str, str, float]:
+def finish(
+    started: tuple[subprocess.Popen | WarmProcess, float], timeout: float = WAIT_S
+) -> tuple[int, str, str, float]:
     """Wait for a started command (killing it past `timeout`); return rc, stdout, stderr, seconds."""
     proc, t0 = started
     out, err = communicate_or_report(proc, timeout)

@@ -96,7 +96,7 @@ def _run_launcher(args: Sequence[str], env: Mapping[str, str], log: IO[str]) -> 
 
         status = main(list(args))
     except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else 1
+        status = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as Python exits
     except BaseException:  # noqa: BLE001  (nothing may return into the caller's code)
         traceback.print_exc()
     from unison.launch.worker import end_process

@@ -6,6 +6,7 @@ Launches that do not depend on each other run at the same time to keep the suite
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -367,6 +368,20 @@ def test_two_launches_at_once_env_output_and_logs(tmp_path: Path) -> None:
     assert all(p["threads"] == 2 and p["OMP_NUM_THREADS"] == "2" and p["argv"] == [] for p in probes)
     assert probes[0]["MASTER_PORT"] != p0["MASTER_PORT"]
     assert not list(Path(p0["TORCHELASTIC_ERROR_FILE"]).parent.glob("*.error.json"))  # no failure, no file
+
+
+@pytest.mark.launch
+def test_no_other_process_can_take_the_store_port_before_rank_0_binds_it(tmp_path: Path) -> None:
+    """torch's agent picked a free MASTER_PORT and let it go; rank 0 bound it seconds later, and on a
+    loaded machine another process had taken it by then: `OSError: [Errno 98] Address already in
+    use`, an attempt lost (and a restart spent). Here rank 1 takes the port as any program would,
+    before rank 0 binds it: the launcher holds the port from its choice, so the thief is refused
+    and the job runs."""
+    flag = tmp_path / "tried"
+    rc, out, err, _ = finish(start([*LAUNCH, "--nproc", "2", str(SCRIPTS / "port_thief.py"), str(flag)]))
+    assert tagged(out, "THIEF") == [{"errno": errno.EADDRINUSE, "_prefix": "1"}], out + err[-3000:]
+    assert rc == 0, err[-3000:]
+    assert tagged(out, "SUM") == [{"value": 3.0, "_prefix": "0"}]
 
 
 def _pids(piddir: Path) -> list[int]:

@@ -27,6 +27,7 @@ from unison.launch.lighthouse import (
     replica_options,
 )
 from unison.launch.network import (
+    StorePortHold,
     default_route_interface,
     interface_addresses,
     interface_for,
@@ -166,3 +167,55 @@ def test_a_lighthouse_on_this_machine_is_reached_by_name_one_over_a_network_by_i
     gateway = default[0]["gateway"]
     (route,) = ip_json("route", "get", gateway)
     assert advertised_host(f"http://{gateway}:29510") == route["prefsrc"]  # its address on that route
+
+
+def _envs(world: int, here: int, **extra: str) -> dict[int, dict[str, str]]:
+    return {
+        r: {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **extra}
+        for r in range(here)
+    }
+
+
+def test_the_store_port_is_held_against_every_other_program_but_rank_0s_store():
+    hold = StorePortHold()
+    envs = _envs(2, 2)
+    hold.assign(envs)
+    port = hold.port
+    assert port is not None and {env["MASTER_PORT"] for env in envs.values()} == {str(port)}
+    try:
+        # The kernel hands it to no one (bind(0), as torch's get_free_port and every client's connect do)
+        for _ in range(500):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                assert s.getsockname()[1] != port
+        # A program binding it by number is refused
+        with socket.socket() as thief, pytest.raises(OSError) as refused:
+            thief.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        # Rank 0's store binds it (SO_REUSEADDR, as unison's and torch's TCPStore) and serves
+        with socket.socket() as store:
+            store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            store.bind(("127.0.0.1", port))
+            store.listen(1)
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        # The next attempt gets a port of its own, and the first is free again
+        hold.assign(envs)
+        assert hold.port != port and envs[0]["MASTER_PORT"] == str(hold.port)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    finally:
+        hold.release()
+    assert hold.port is None
+
+
+@pytest.mark.parametrize(
+    "envs",
+    [_envs(4, 2), _envs(2, 2, TORCHELASTIC_USE_AGENT_STORE="True"), {}],
+    ids=["ranks-on-other-machines", "agent-store", "no-workers"],
+)
+def test_the_store_port_torch_agreed_is_kept_where_this_node_cannot_choose_it(envs):
+    before = {r: dict(env) for r, env in envs.items()}
+    hold = StorePortHold()
+    hold.assign(envs)
+    assert envs == before and hold.port is None

@@ -4,6 +4,7 @@ Worker functions live at module level: with the "spawn" start method the workers
 from here (conftest puts the repository on PYTHONPATH).
 """
 
+import errno
 import os
 import pickle
 import signal
@@ -55,6 +56,35 @@ def _fails_once(marker):
     if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         raise RuntimeError("first attempt fails")
     return f"{marker} after {os.environ['TORCHELASTIC_RESTART_COUNT']} restart"
+
+
+def _steal_the_store_port_then_sum(flag):
+    """Rank 1 takes MASTER_PORT as another program would before rank 0 binds it (see port_thief.py)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from unison.distributed import setup_distrib
+
+    rank, port, flag = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), Path(flag)
+    taken = None
+    if rank == 1:
+        thief = socket.socket()
+        try:
+            thief.bind(("127.0.0.1", port))
+            thief.listen(1)
+        except OSError as exc:
+            taken = exc.errno
+        flag.write_text("tried")
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    setup_distrib()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, taken)
+    return total.item(), gathered
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -204,6 +234,14 @@ def test_max_restarts_runs_the_function_again():
     assert result == "done after 1 restart"
     with pytest.raises(SpawnError, match="RuntimeError: first attempt fails"):
         spawn(_fails_once, 2, args=("done",), start_method="fork")
+
+
+@pytest.mark.procs
+def test_no_other_process_can_take_the_store_port_before_rank_0_binds_it(tmp_path):
+    total, taken = spawn(
+        _steal_the_store_port_then_sum, 2, args=(str(tmp_path / "tried"),), start_method="fork"
+    )
+    assert taken == [None, errno.EADDRINUSE] and total == 3.0
 
 
 @pytest.mark.procs

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs, Std
 
 from unison.launch.failures import (
     OomCount,
@@ -30,6 +30,7 @@ from unison.launch.failures import (
     oom_kills_since,
     reacted_to_a_peer,
 )
+from unison.launch.network import StorePortHold
 from unison.launch.rendezvous import private_dir, private_files
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
@@ -70,6 +71,9 @@ class RankLogsSpecs(LogsSpecs):
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
         self.on_attempt: Callable[[], None] | None = None  # called as each attempt starts (bar relay)
         self._consoles: tuple[_Console, ...] = ()  # the console's streams while `console_guard` holds them
+        # The workers' store port, held from the attempt's start (reify is torch's one per-attempt
+        # hook that sees the workers' environments before they start).
+        self.store_port = StorePortHold()
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -116,6 +120,7 @@ class RankLogsSpecs(LogsSpecs):
                 )
         self.restart = restart
         self.ranks, self.oom_kills = {}, oom_count()
+        self.store_port.assign(envs)
         # 0700, files 0600: logs may hold secrets, and other local users must not read them.
         base = private_dir(os.path.join(self.root_log_dir, f"attempt_{attempt}"))
         dest = LogsDest(
@@ -240,6 +245,21 @@ def _headline(error_file: str) -> str | None:
 
 #: The prefix torch's tailer puts before each piece of a rank's output it read (`[rank1] `).
 _RANK_PREFIX = re.compile(r"\[[^\]\n]*\] ?")
+
+
+class HeldPortLogsSpecs(DefaultLogsSpecs):
+    """torch's own logs (`unison.spawn`'s), with each attempt's store port held as `RankLogsSpecs` does.
+
+    >>> specs = HeldPortLogsSpecs(log_dir="/tmp/logs")
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.store_port = StorePortHold()
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self.store_port.assign(envs)
+        return super().reify(envs)
 
 
 class _Console(io.TextIOBase):

@@ -113,3 +113,54 @@ def port_in_use(port: int) -> bool:
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE
     return False
+
+
+class StorePortHold:
+    """Choose each attempt's MASTER_PORT here and keep it bound until the next attempt.
+
+    torch's agent picks a free port for the workers' store and closes it; rank 0 binds it seconds
+    later (the workers' start), and on a busy machine another process (any connect() or bind)
+    can take it in between: rank 0 fails with `[Errno 98] Address already in use` and an attempt
+    is lost. Where this node's workers are the whole world, the port is chosen here instead and
+    held by a socket that is bound but never listens, with SO_REUSEADDR: no other program can
+    bind it or get it from the kernel, while rank 0's store (which sets SO_REUSEADDR too, as
+    TCPStore does) binds it and listens. Across machines the port torch agreed is left as is.
+
+    >>> hold = StorePortHold()
+    >>> envs = {0: {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    ...         1: {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}}
+    >>> hold.assign(envs)
+    >>> envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(hold.port)
+    True
+    >>> hold.release()
+    """
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The port held now, or None."""
+        return self._sock.getsockname()[1] if self._sock is not None else None
+
+    def assign(self, envs: dict[int, dict[str, str]]) -> None:
+        """Give the workers of one attempt (`envs`: local rank -> environment) a held store port."""
+        self.release()
+        first = next(iter(envs.values()), None)
+        if first is None or first.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            return  # the agent's own store serves the workers: its port is not ours to change
+        if first.get("WORLD_SIZE") != str(len(envs)) or "MASTER_PORT" not in first:
+            return  # ranks on other machines read the port torch's rendezvous agreed
+        v6 = ":" in first.get("MASTER_ADDR", "")
+        sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("::" if v6 else "", 0))  # every address: rank 0 may bind loopback or all of them
+        self._sock = sock
+        for env in envs.values():
+            env["MASTER_PORT"] = str(self.port)
+
+    def release(self) -> None:
+        """Let the held port go (the attempt it was for is over)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

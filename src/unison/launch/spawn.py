@@ -94,10 +94,11 @@ def spawn(
             "start_method='spawn'"
         )
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing import SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from unison.launch.logs import HeldPortLogsSpecs
     from unison.launch.torch_compat import launch_config
 
     log_dir = tempfile.mkdtemp(prefix="unison-spawn-")
@@ -106,7 +107,7 @@ def spawn(
     # pipe) the workers write to the caller's stdout and stderr themselves.
     relay = BarRelay.for_terminal(sys.stderr)
     forwarded = {"redirects": Std.ALL, "tee": Std.ALL} if relay else {}
-    logs_specs = DefaultLogsSpecs(log_dir=log_dir, **forwarded)
+    logs_specs = HeldPortLogsSpecs(log_dir=log_dir, **forwarded)
     # Forking: torch's launcher asks torch.cuda.is_available() (LaunchConfig, the agent), which
     # initialises CUDA unless answered by NVML; the children could not use their GPUs then.
     fork_safe = cuda_check_without_init if method == "fork" else contextlib.nullcontext
@@ -149,6 +150,7 @@ def spawn(
             raise KeyboardInterrupt from None
         raise
     finally:
+        logs_specs.store_port.release()
         shutil.rmtree(log_dir, ignore_errors=True)
     return results[0]
 

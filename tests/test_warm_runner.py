@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -77,10 +78,17 @@ def test_a_warm_script_sees_and_ends_as_a_fresh_interpreter_would(tmp_path):
 
 @pytest.mark.procs
 def test_a_warm_script_killed_or_timed_out_reports_as_popen_does(tmp_path):
-    script = tmp_path / "sleep.py"
-    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    script, printed = tmp_path / "sleep.py", tmp_path / "printed"
+    script.write_text(
+        f"import time, pathlib\nprint('started', flush=True)\npathlib.Path({str(printed)!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
     proc = start([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert isinstance(proc, WarmProcess)
+    # (the kill must come after the print: a loaded machine took more than the 0.5 s below to get there)
+    deadline = time.monotonic() + 30
+    while not printed.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     with pytest.raises(subprocess.TimeoutExpired):
         proc.communicate(timeout=0.5)
     assert proc.poll() is None

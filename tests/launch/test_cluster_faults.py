@@ -370,12 +370,16 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     tmp_path: Path,
 ) -> None:
     """Two jobs on the same two machines, one without restarts and one with --max-restarts 1; the
-    link between the machines goes down mid-epoch (--timeout 5) and comes back only once the job
-    without restarts ended on both machines (at least 12 s). Without restarts both machines end
-    within timeout + 30 s of the cut, each naming the rank it lost, while the link is still down;
-    with a restart the rendezvous waits for the lost machine (it used to give up after --timeout,
-    as the cut was still on), and the job ends on the uninterrupted weights."""
-    cut_s = 12
+    link between the machines goes down mid-epoch (--timeout 5, and 10 with restarts) and comes
+    back only once the job without restarts ended on both machines (at least 20 s). Without
+    restarts both machines end within timeout + 30 s of the cut, each naming the rank it lost,
+    while the link is still down; with a restart the rendezvous waits for the lost machine (it used
+    to give up after --timeout, as the cut was still on), and the job ends on the uninterrupted
+    weights."""
+    # The job with a restart waits 10 s, not 5: its resumed attempt must not fail on a rank that a
+    # loaded machine (a second copy of the suite beside it) delayed past 5 s at its first step, as
+    # one did; the cut (20 s at least) outlasts that timeout, so that job still sees it and restarts.
+    cut_s = 20
 
     def node(i: int, folder: Path, port: int, restarts: int) -> Job:
         endpoint = f"{machines.addrs[0]}:{port}"
@@ -385,7 +389,7 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
             "--rdzv-endpoint",
             endpoint,
             "--timeout",
-            "5",
+            "10" if restarts else "5",
             "--max-restarts",
             str(restarts),
         ]

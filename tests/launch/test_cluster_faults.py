@@ -370,16 +370,19 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
     tmp_path: Path,
 ) -> None:
     """Two jobs on the same two machines, one without restarts and one with --max-restarts 1; the
-    link between the machines goes down mid-epoch (--timeout 5, and 10 with restarts) and comes
-    back only once the job without restarts ended on both machines (at least 20 s). Without
-    restarts both machines end within timeout + 30 s of the cut, each naming the rank it lost,
-    while the link is still down; with a restart the rendezvous waits for the lost machine (it used
-    to give up after --timeout, as the cut was still on), and the job ends on the uninterrupted
-    weights."""
-    # The job with a restart waits 10 s, not 5: its resumed attempt must not fail on a rank that a
-    # loaded machine (a second copy of the suite beside it) delayed past 5 s at its first step, as
-    # one did; the cut (20 s at least) outlasts that timeout, so that job still sees it and restarts.
-    cut_s = 20
+    link between the machines goes down mid-epoch (--timeout 5, 10 with restarts) and comes back
+    only once the job without restarts ended on both machines (at least 20 s). Without restarts
+    both machines end within timeout + 30 s of the cut, each naming the rank it lost, while the
+    link is still down; with a restart the rendezvous waits for the lost machine (it used to give
+    up after --timeout, as the cut was still on), and the job ends on the uninterrupted weights."""
+    # On a loaded machine (a second copy of the suite beside it), with --timeout 5 for both jobs, the
+    # restarting job's resumed attempt failed on a rank delayed past 5 s at its first step: it waits
+    # 10 s. And the other job's launcher failed, before the cut, on a rendezvous store that took
+    # more than 5 s to answer (its store reads wait --timeout): they wait 7 s (--rdzv-conf). The
+    # machine without the store ends about 3 store reads after the cut (16 s with reads of 5 s,
+    # 23 with 7, 33 with 10: too near the 35 s bound); the cut (20 s at least) outlasts both
+    # timeouts: both jobs see it.
+    timeout_s, read_s, cut_s = 5, 7, 20
 
     def node(i: int, folder: Path, port: int, restarts: int) -> Job:
         endpoint = f"{machines.addrs[0]}:{port}"
@@ -389,9 +392,10 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
             "--rdzv-endpoint",
             endpoint,
             "--timeout",
-            "10" if restarts else "5",
+            str(timeout_s if not restarts else 2 * timeout_s),
             "--max-restarts",
             str(restarts),
+            *([] if restarts else ["--rdzv-conf", f"read_timeout={read_s}"]),
         ]
         script = ["--cue-rank", "1", "--cue", "hold"]
         return Job(folder, *args, script_args=script, prefix=machines.cmd(i, []))
@@ -414,7 +418,7 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
         w.start()
     # The link stays down until both jobs without restarts ended (or their bound passed): the far
     # machine used to end only when the link came back, whatever the cut's length.
-    deadline = cut + 5 + 30 + 15
+    deadline = cut + timeout_s + 30 + 15
     while time.monotonic() < deadline and not ("once0" in ended and "once1" in ended):
         time.sleep(0.2)
     time.sleep(max(0.0, cut + cut_s - time.monotonic()))  # the restarting job sees a cut of >= cut_s
@@ -430,7 +434,7 @@ def test_a_network_cut_longer_than_the_timeout_ends_both_machines_or_resumes(
         assert f"rank {1 - here} stopped taking part" in job.err or (i == 1 and host in job.err), job.err[
             -3000:
         ]
-        assert ended[f"once{i}"] < 5 + 30, ended
+        assert ended[f"once{i}"] < timeout_s + 30, ended
     print(f"seconds from the cut to each launcher's end: {ended}")
     for job in again:
         assert job.rc == 0, job.err[-3000:]

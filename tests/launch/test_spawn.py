@@ -59,26 +59,14 @@ def _fails_once(marker):
 
 
 def _steal_the_store_port_then_sum(flag):
-    """Rank 1 takes MASTER_PORT as another program would before rank 0 binds it (see port_thief.py)."""
-    import socket
-
+    """Rank 1 takes MASTER_PORT as another program would before rank 0 binds it (port_thief.py)."""
     import torch.distributed as dist
 
+    from tests.scripts.port_thief import take_the_store_port
     from unison.distributed import setup_distrib
 
-    rank, port, flag = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), Path(flag)
-    taken = None
-    if rank == 1:
-        thief = socket.socket()
-        try:
-            thief.bind(("127.0.0.1", port))
-            thief.listen(1)
-        except OSError as exc:
-            taken = exc.errno
-        flag.write_text("tried")
-    deadline = time.monotonic() + 60
-    while not flag.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    rank = int(os.environ["RANK"])
+    taken = take_the_store_port(rank, int(os.environ["MASTER_PORT"]), Path(flag))
     setup_distrib()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)

@@ -5,6 +5,7 @@ listens on it, then says so in a file; rank 0 waits for that file before it host
 launcher holds the port from its choice until the attempt ends, so the thief must be refused.
 
 stdout: `THIEF {"errno": N or null}` (rank 1), `SUM {"value": ...}` (rank 0, after an all-reduce).
+(`tests/launch/test_spawn.py` runs `take_the_store_port` under `unison.spawn`.)
 """
 
 import json
@@ -14,30 +15,40 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 
-from unison.distributed import setup_distrib
-
-flag = Path(sys.argv[1])
-rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
-if rank == 1:
-    thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        thief.bind(("127.0.0.1", port))
-        thief.listen(1)
-        taken = None
-    except OSError as exc:
-        taken = exc.errno
-    print("THIEF " + json.dumps({"errno": taken}), flush=True)
-    flag.write_text("tried")
-else:
+def take_the_store_port(rank: int, port: int, flag: Path) -> int | None:
+    """Rank 1: bind and listen on `port`, return the errno that refused it (None: taken); then
+    touch `flag`. Every other rank waits (up to 60 s) for `flag`. The thief's socket stays open."""
+    if rank == 1:
+        thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            thief.bind(("127.0.0.1", port))
+            thief.listen(1)
+            take_the_store_port.socket = thief  # type: ignore[attr-defined]  (held until exit)
+            return_value = None
+        except OSError as exc:
+            return_value = exc.errno
+        flag.write_text("tried")
+        return return_value
     deadline = time.monotonic() + 60
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-setup_distrib()
-total = torch.tensor([float(rank + 1)])
-dist.all_reduce(total)
-if rank == 0:
-    print("SUM " + json.dumps({"value": total.item()}), flush=True)
-dist.destroy_process_group()
+    return None
+
+
+if __name__ == "__main__":
+    import torch
+    import torch.distributed as dist
+
+    from unison.distributed import setup_distrib
+
+    rank = int(os.environ["RANK"])
+    taken = take_the_store_port(rank, int(os.environ["MASTER_PORT"]), Path(sys.argv[1]))
+    if rank == 1:
+        print("THIEF " + json.dumps({"errno": taken}), flush=True)
+    setup_distrib()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    if rank == 0:
+        print("SUM " + json.dumps({"value": total.item()}), flush=True)
+    dist.destroy_process_group()

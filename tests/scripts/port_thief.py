@@ -15,26 +15,28 @@ import sys
 import time
 from pathlib import Path
 
+#: The thief's socket, kept open (listening) for the rest of the process.
+HELD: list[socket.socket] = []
+
 
 def take_the_store_port(rank: int, port: int, flag: Path) -> int | None:
     """Rank 1: bind and listen on `port`, return the errno that refused it (None: taken); then
-    touch `flag`. Every other rank waits (up to 60 s) for `flag`. The thief's socket stays open."""
-    if rank == 1:
-        thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            thief.bind(("127.0.0.1", port))
-            thief.listen(1)
-            take_the_store_port.socket = thief  # type: ignore[attr-defined]  (held until exit)
-            return_value = None
-        except OSError as exc:
-            return_value = exc.errno
-        flag.write_text("tried")
-        return return_value
-    deadline = time.monotonic() + 60
-    while not flag.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return None
-
+    touch `flag`. Every other rank waits (up to 60 s) for `flag` and returns None."""
+    if rank != 1:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    refused = None
+    try:
+        thief.bind(("127.0.0.1", port))
+        thief.listen(1)
+        HELD.append(thief)
+    except OSError as exc:
+        refused = exc.errno
+    flag.write_text("tried")
+    return refused
 
 if __name__ == "__main__":
     import torch

@@ -38,6 +38,7 @@ def take_the_store_port(rank: int, port: int, flag: Path) -> int | None:
     flag.write_text("tried")
     return refused
 
+
 if __name__ == "__main__":
     import torch
     import torch.distributed as dist

@@ -11,7 +11,9 @@ in the job's output): its rank, the world, torch's intra-op thread count, the at
 (`SLURM_RESTART_COUNT`), and every weight. With `--dir D` it checkpoints every `--every` steps into
 D and fits with `resume=True`; each rank appends `<attempt> <global step>` to `D/steps-<rank>`
 after each optimizer step (so a test can see that no step was trained twice), and rank 0
-writes `D/ready` after step `--ready` (the cue for the test to signal the job). A preempted rank
+writes `D/ready` after step `--ready` (the cue for the test to signal the job); with `--hold` every
+rank then waits at that step until its preemption signal has arrived (at most `HOLD_S`), so the
+signal lands in training however late a loaded machine delivers it. A preempted rank
 prints `STOPPED {"rank": r, "time": t}` (t: wall-clock seconds) before it exits 75.
 """
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 N_TRAIN, N_VALID = 64, 16
+HOLD_S = 120.0  # --hold: a signal later than this is the test's failure, not a reason to hang
 
 
 def make_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +51,7 @@ def main() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from unison import Callback, Checkpoint, DataLoaders, Learner
-    from unison.callbacks.preemption import Preempted
+    from unison.callbacks.preemption import Preempted, Preemption
     from unison.distributed import num_distrib, rank_distrib
 
     parser = argparse.ArgumentParser()
@@ -59,7 +62,8 @@ def main() -> None:
     parser.add_argument("--dir", help="checkpoint folder; fit(resume=True)")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps")
-    parser.add_argument("--ready", type=int, default=0, help="rank 0 writes DIR/ready after this step")
+    parser.add_argument("--ready", type=int, default=-1, help="rank 0 writes DIR/ready after this step")
+    parser.add_argument("--hold", action="store_true", help="after step --ready, wait for the signal")
     args = parser.parse_args()
     attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
 
@@ -70,9 +74,18 @@ def main() -> None:
             step = self.learn.train_iter  # counted over the run, from 0
             with open(os.path.join(args.dir, f"steps-{rank_distrib()}"), "a") as log:
                 log.write(f"{attempt} {step}\n")
-            if rank_distrib() == 0 and step == args.ready:
-                open(os.path.join(args.dir, "ready"), "w").close()
+            if step == args.ready:
+                if rank_distrib() == 0:
+                    open(os.path.join(args.dir, "ready"), "w").close()
+                if args.hold:
+                    self.wait_for_the_signal()
             time.sleep(args.step_s)
+
+        def wait_for_the_signal(self) -> None:
+            preemption = next(cb for cb in self.learn.cbs if isinstance(cb, Preemption))
+            deadline = time.monotonic() + HOLD_S
+            while preemption.received is None and time.monotonic() < deadline:
+                time.sleep(0.02)  # the handler runs between two sleeps
 
     x, y = make_data()
     dls = DataLoaders(

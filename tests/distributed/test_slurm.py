@@ -240,9 +240,8 @@ def steps_trained(folder: Path, rank: int) -> list[tuple[int, int]]:
     return [(int(a), int(s)) for a, s in (line.split() for line in lines if line)]
 
 
-PREEMPTIBLE = (
-    f"srun {PY} {JOB} --bs 8 --epochs 3 --every 100 --step-s 0.2"  # 12 steps; one checkpoint: the stop's
-)
+# 12 steps; one checkpoint: the stop's. --hold: the ranks wait at the cue for the signal
+PREEMPTIBLE = f"srun {PY} {JOB} --bs 8 --epochs 3 --every 100 --step-s 0.2 --hold"
 
 
 @pytest.mark.slow
@@ -398,7 +397,7 @@ def test_a_resumed_run_against_the_same_job_uninterrupted(slurm, tmp_path, world
     uninterrupted = slurm.sbatch(
         [*one, "-o", str(tmp_path / "ref.out"), "--wrap", f"{run} --results {ref}"], env=job_env()
     )
-    stop_at = f"{run} --results {res} --dir {ckpt} --every 100 --step-s 0.3 --ready 5"
+    stop_at = f"{run} --results {res} --dir {ckpt} --every 100 --step-s 0.3 --ready 5 --hold"
     job = slurm.sbatch([*one, "-o", str(tmp_path / "p.out"), "--wrap", stop_at], env=job_env())
     wait_for(ckpt / "ready", job, slurm)
     slurm.run(["scancel", "--signal=USR1", job])

@@ -551,6 +551,8 @@ def launch(opts: LaunchOptions) -> int:
     finally:
         if zygote is not None:
             zygote.stop()
+        if plan is not None and plan.logs is not None:
+            plan.logs.store_port.release()  # the last attempt's store port, as unison.spawn lets its go
         sys.stdout.flush()
         if not keep_logs and not (plan and plan.logs and plan.logs.console_lost):  # else they hold the output
             shutil.rmtree(log_dir, ignore_errors=True)

@@ -4,7 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install slurm-deps demo test lint docs bench gpu-check clean
+.PHONY: install slurm-deps demo test lint typecheck docs bench gpu-check clean
+
+# fastai 2.8.12's own dependencies less torchvision and spacy, which fastai.basics and
+# fastai.tabular never import: the install step installs these, then fastai with --no-deps,
+# because PyPI's torchvision may not import beside the pinned CPU torch
+# (`operator torchvision::nms does not exist`). A user's `pip install 'unison[fastai]'` takes
+# fastai with all of its dependencies.
+FASTAI_DEPS := 'fastcore>=2.2.22' 'fasttransform>=0.0.3' 'fastprogress>=0.2.4' 'fastdownload>=0.0.8,<2' \
+	'plum-dispatch<2.10' pandas requests pyyaml 'pillow>=9.0.0' scipy scikit-learn matplotlib \
+	packaging cloudpickle
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,9 +21,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[examples,test,ray]'
-	# fastai for tests/test_fastai_bridge.py: its dependencies (less torchvision and spacy, see
-	# pyproject's fastai-core), then fastai alone; torch stays the pinned one.
-	$(PY) -m pip install -q -c constraints.txt -e '.[fastai-core]'
+	# fastai for tests/test_fastai_bridge.py, beside the pinned torch: its dependencies less
+	# torchvision and spacy (FASTAI_DEPS), then fastai alone (--no-deps).
+	$(PY) -m pip install -q -c constraints.txt $(FASTAI_DEPS)
 	$(PY) -m pip install -q -c constraints.txt --no-deps fastai==2.8.12
 	touch $(STAMP)
 

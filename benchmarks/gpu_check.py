@@ -122,7 +122,7 @@ def case_one_gpu(args):
     with _quiet():
         learn.fit(1)
     learn.save("cpu")
-    learn.load("cpu")  # mapped to the CPU: seed 003's order (load, then distrib_ctx)
+    learn.load("cpu")  # mapped to the CPU: examples/mp_spawn.py's order (load, then distrib_ctx)
     with _quiet(), learn.distrib_ctx():
         device = learn.device
         learn.fit(1)  # a foreach AdamW step with state on two devices would raise here

@@ -420,7 +420,7 @@ class Learner:
         the strategy `unison.distributed.strategy.ParallelConfig` makes of the arguments: DDP, FSDP2
         (`shard=True`: `ddp_kwargs` are `ShardedTrainer`'s), torchft (`fault_tolerant=True`).
 
-        >>> learn.to_distributed(local_rank())   # seed 002's style; prefer distrib_ctx
+        >>> learn.to_distributed(local_rank())   # a script that made its group; prefer distrib_ctx
         """
         engine.attach_strategy(
             self, ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)

@@ -54,7 +54,7 @@ def test_cuda_id_wins_and_gloo_or_no_gpu_keeps_the_model_where_it_is():
     assert pick_device("nccl", 1, 0, 2, CPU) == torch.device("cuda", 1)
     assert pick_device("gloo", None, 1, 2, CPU) == CPU
     assert pick_device("nccl", None, 1, 2, CPU, force_cpu=True) == CPU
-    assert pick_device("gloo", 1, 0, 0, CPU) == CPU  # seed 002's to_distributed(local_rank) without CUDA
+    assert pick_device("gloo", 1, 0, 0, CPU) == CPU  # a script's to_distributed(local_rank) without CUDA
 
 
 def test_more_local_ranks_than_gpus_is_refused_naming_the_mapping(monkeypatch):
@@ -105,7 +105,7 @@ def test_optimizer_state_and_loss_buffers_move_with_the_model(tmp_path):
     learn = _learner(tmp_path)
     _fit(learn)
     learn.save("m")
-    learn.load("m")  # mapped to the CPU, as seed 003 does before distrib_ctx on a GPU
+    learn.load("m")  # mapped to the CPU, as examples/mp_spawn.py does before distrib_ctx on a GPU
     place_training_state(learn.model, learn.opt, learn.loss_func, META)
     assert {p.device for p in learn.model.parameters()} == {META}
     moments = [v for s in learn.opt.state.values() for k, v in s.items() if k != "step"]

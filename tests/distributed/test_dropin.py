@@ -47,12 +47,13 @@ def test_a_single_metric_is_accepted_and_equals_the_list_form():
     assert got[1] == pytest.approx(float((one.model(x).argmax(-1) == y).float().mean()))
 
 
-# ---- item 1: seed 002's `to_distributed(local_rank)` on a CPU machine ----------------------------------
+# ---- item 1: a script's own `to_distributed(local_rank)` on a CPU machine ----------------------------------
 def _to_distributed_with_local_rank():
     single = _learner(16)
     with contextlib.redirect_stdout(io.StringIO()):
         single.fit(2)
-    learn = _learner(8).to_distributed(local_rank())  # the group is the pool's own (like seed 002's)
+    # the group is the pool's own (as in examples/local_rank.py)
+    learn = _learner(8).to_distributed(local_rank())
     with contextlib.redirect_stdout(io.StringIO()):
         learn.fit(2)
     device = str(learn.device)

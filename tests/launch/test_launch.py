@@ -433,9 +433,9 @@ def digests(out: str) -> dict[int, tuple[str, str, str]]:
 
 
 @pytest.mark.launch
-def test_seed002_under_unison_launch_and_torchrun(tmp_path: Path) -> None:
-    example = str(ROOT / "examples" / "seed002_local_rank.py")
-    # seed 002's own command with unison for torch.distributed.launch; every rank's stdout shows
+def test_local_rank_example_under_unison_launch_and_torchrun(tmp_path: Path) -> None:
+    example = str(ROOT / "examples" / "local_rank.py")
+    # the example's own command with unison for torch.distributed.launch; every rank's stdout shows
     ours = start([*LAUNCH, "--nproc_per_node=2", "--legacy-local-rank", example])
     # torchrun's ranks share its stdout unprefixed, each flushing its buffer when full: a line can be
     # cut in two by the other rank's output, so each rank's stdout is read from its own file.
@@ -458,8 +458,8 @@ def test_seed002_under_unison_launch_and_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.launch
-def test_seed004_by_hand_on_loopback() -> None:
-    example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
+def test_cpu_multinode_example_by_hand_on_loopback() -> None:
+    example = str(ROOT / "examples" / "cpu_multinode.py")
     port = str(free_port())
     procs = [
         start(

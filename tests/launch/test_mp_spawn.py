@@ -1,4 +1,4 @@
-"""`unison.mp_spawn`: torch.multiprocessing.spawn's form (seed 003), the process index first.
+"""`unison.mp_spawn`: torch.multiprocessing.spawn's form (the PyTorch DDP primer's), the process index first.
 
 The worker below is written for `mp.spawn` (index first, the group made by the script with
 env://) and runs unchanged under `unison.mp_spawn`; the weights it trains equal a plain
@@ -26,7 +26,7 @@ def _data():
 
 
 def main_worker(gpu, ngpus_per_node, out_dir):
-    """Seed 003's worker shape: the index first, the group made by the script with env://."""
+    """The primer's worker shape: the index first, the group made by the script with env://."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=gpu, world_size=ngpus_per_node)
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def main_worker(gpu, ngpus_per_node, out_dir):
 
 
 @pytest.mark.procs
-def test_mp_spawn_runs_seed003_workers_with_the_index_first(tmp_path):
+def test_mp_spawn_runs_primer_workers_with_the_index_first(tmp_path):
     assert inspect.signature(mp_spawn).parameters.keys() == inspect.signature(mp.spawn).parameters.keys()
     # spawn, not fork: forking a pytest process that has run OpenMP and gloo threads can deadlock.
     weights = mp_spawn(main_worker, nprocs=2, args=(2, str(tmp_path)), start_method="spawn")

@@ -168,9 +168,9 @@ def test_two_machines_match_one_machine(machines: Machines, single_machine: dict
         assert f"gloo via {machines.links[i]}" in err
 
 
-def test_seed004_by_hand_on_two_machines(machines: Machines) -> None:
-    """Seed 004: one plain process per machine, no launcher, the script makes its tcp:// group."""
-    example = str(ROOT / "examples" / "seed004_cpu_multinode.py")
+def test_cpu_multinode_example_by_hand_on_two_machines(machines: Machines) -> None:
+    """examples/cpu_multinode.py: a plain process per machine, no launcher, the script makes its group."""
+    example = str(ROOT / "examples" / "cpu_multinode.py")
     port = str(netns_port())
     procs = [
         start(

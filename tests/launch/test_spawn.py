@@ -1,4 +1,4 @@
-"""unison.spawn: rank 0's result, failures that name the rank, start methods, a notebook, seed 003.
+"""unison.spawn: rank 0's result, failures that name the rank, start methods, a notebook, an example.
 
 Worker functions live at module level: with the "spawn" start method the workers import them
 from here (conftest puts the repository on PYTHONPATH).
@@ -105,11 +105,11 @@ def _pids():
 
 @pytest.fixture(scope="module")
 def example_job(tmp_path_factory):
-    """examples/seed003_spawn.py, run in the background: other spawns run while it does."""
-    out = tmp_path_factory.mktemp("seed003")
+    """examples/mp_spawn.py, run in the background: other spawns run while it does."""
+    out = tmp_path_factory.mktemp("mp_spawn_example")
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "seed003_spawn.py")],
+            [sys.executable, str(EXAMPLES / "mp_spawn.py")],
             stdout=stdout,
             stderr=stderr,
             cwd=out,
@@ -168,7 +168,7 @@ def test_start_method_is_spawn_when_importable_else_fork(monkeypatch):
 
 @pytest.mark.procs
 def test_returns_rank0_value_two_spawns_in_a_row_beside_another_job(monkeypatch, example_job):
-    assert example_job.poll() is None, "the seed 003 example should still be running"
+    assert example_job.poll() is None, "the mp_spawn example should still be running"
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -313,7 +313,7 @@ def test_notebook_defines_and_spawns_its_own_function(tmp_path, monkeypatch):
 
 @pytest.mark.procs
 @pytest.mark.timeout(240)
-def test_seed003_example(example_job):
+def test_mp_spawn_example(example_job):
     assert example_job.wait(timeout=200) == 0, (example_job.out / "stderr").read_text()[-3000:]
     out = (example_job.out / "stdout").read_text()
     assert "epoch 1, group made by the script (tcp://), 2 processes x batch 8: ranks agree: True" in out

@@ -165,7 +165,7 @@ def mp_spawn(
 ) -> Any:
     """`torch.multiprocessing.spawn`'s form: run `fn(i, *args)` for `i` in `range(nprocs)`.
 
-    A drop-in for seed 003's `mp.spawn(main_worker, nprocs=n, args=(...))`: the same signature
+    A drop-in for the PyTorch DDP primer's `mp.spawn(main_worker, nprocs=n, args=(...))`: the same signature
     and the process index first, on `spawn`'s machinery (each process also gets RANK, WORLD_SIZE,
     MASTER_ADDR and a free MASTER_PORT, so `init_method="env://"` just works; a failure in any
     process stops all of them and raises `SpawnError` naming it). Returns rank 0's result where
@@ -197,7 +197,7 @@ def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
     agent changes (signals, environment)."""
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
-    # group the user makes on a port of their choosing (seed 003) would wait forever for a server.
+    # group the user makes on a port of their choosing (examples/mp_spawn.py) would wait forever for a server.
     huge_pages = huge_pages_env()  # as `unison launch` exports (a fresh interpreter reads it at start)
     names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages, *extra_env)
     saved_env = {name: os.environ.get(name) for name in names}

@@ -1,15 +1,16 @@
-"""Seed 002's pattern (fastai v1's "how to launch a distributed training"), with unison.
+"""A script that makes its own process group and reads `--local_rank` (the style of
+torch.distributed.launch and fastai v1's distributed guide), with unison.
 
 The script parses `--local_rank`, binds its GPU (when there is one), makes the process group
 itself with `init_method="env://"`, then hands the learner to that group with
-`learn.to_distributed(args.local_rank)` and `metrics=accuracy`, as the seed writes them. On a
+`learn.to_distributed(args.local_rank)` and `metrics=accuracy`, as such scripts write them. On a
 CPU machine the only edits are gloo for nccl and no `torch.cuda.set_device` (a CPU build of
 torch has none); `to_distributed(local_rank)` then trains on the CPU. It runs unchanged under
 every launcher:
 
-    unison launch --nproc_per_node=2 --legacy-local-rank examples/seed002_local_rank.py  # --local_rank=N
-    torchrun --standalone --nproc-per-node 2 examples/seed002_local_rank.py      # LOCAL_RANK in the env
-    unison launch --gpus 0,1 --legacy-local-rank examples/seed002_local_rank.py  # NCCL, one GPU each
+    unison launch --nproc_per_node=2 --legacy-local-rank examples/local_rank.py  # --local_rank=N
+    torchrun --standalone --nproc-per-node 2 examples/local_rank.py      # LOCAL_RANK in the env
+    unison launch --gpus 0,1 --legacy-local-rank examples/local_rank.py  # NCCL, one GPU each
 
 Each rank ends by printing `rank R weights_sum S sha256 H`: the same on every rank (DDP keeps
 the replicas identical), and the same under either launcher (same seed, same world size).
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import DataLoaders, Learner, accuracy, set_seed
 
-parser = argparse.ArgumentParser(description="Seed 002: a script that makes its own process group.")
+parser = argparse.ArgumentParser(description="A script that makes its own process group.")
 # torch.distributed.launch passed --local_rank (newer torch: --local-rank); torchrun sets LOCAL_RANK.
 parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
 parser.add_argument("--epochs", type=int, default=2)

@@ -1,17 +1,17 @@
-"""Seed 004's pattern (torchbearer's DistributedDataParallel on CPU), with unison.
+"""DistributedDataParallel on CPU across machines, one process per machine started by hand, with unison.
 
 One process per machine, started by hand on each, CPU only, gloo. The script makes the
 process group itself from its arguments (`init_method="tcp://host:port"`); unison's
 `learn.to_distributed()` uses that group as it is.
 
     # on machine 0 (address 10.0.0.1) and on machine 1, at about the same time:
-    python examples/seed004_cpu_multinode.py --world-size 2 --rank 0 --host 10.0.0.1
-    python examples/seed004_cpu_multinode.py --world-size 2 --rank 1 --host 10.0.0.1
+    python examples/cpu_multinode.py --world-size 2 --rank 0 --host 10.0.0.1
+    python examples/cpu_multinode.py --world-size 2 --rank 1 --host 10.0.0.1
 
 The launcher does the same with one command per machine (then the arguments come from it):
 
     unison launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
-        examples/seed004_cpu_multinode.py
+        examples/cpu_multinode.py
 
 gloo must talk over the interface that reaches the other machine: the script exports
 GLOO_SOCKET_IFNAME as the one routing to `--host` (unless set), which is what `unison launch`
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from unison import DataLoaders, Learner, accuracy, set_seed
 from unison.launch.launcher import gloo_interface
 
-parser = argparse.ArgumentParser(description="Seed 004: CPU data-parallel across machines, by hand.")
+parser = argparse.ArgumentParser(description="CPU data-parallel across machines, by hand.")
 parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
 parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
 parser.add_argument("--host", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), help="rank 0's address")

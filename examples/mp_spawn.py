@@ -1,6 +1,6 @@
-"""The PyTorch DDP primer's `mp.spawn` pattern (seed 003), with `unison.mp_spawn`.
+"""The PyTorch DDP primer's `mp.spawn` pattern, with `unison.mp_spawn`.
 
-    python examples/seed003_spawn.py            # 2 processes, global batch 16
+    python examples/mp_spawn.py            # 2 processes, global batch 16
 
 `main_worker(gpu, ...)` runs on every process and, as under `mp.spawn`, gets the process index
 first: `mp.spawn(main_worker, nprocs=n, args=(...))` becomes `mp_spawn(main_worker, nprocs=n,
@@ -59,7 +59,7 @@ def main_worker(
     gpu: int, init: str, port: int, global_batch: int, path: str, seed: int, load: str | None, save: str
 ):
     """One process's work (`gpu`: its index); returns (on rank 0) every rank's final weights, by rank."""
-    if init == "tcp":  # seed 003: the script makes the group itself, rank = node rank * n + index
+    if init == "tcp":  # the primer's way: the script makes the group itself, rank = node rank * n + index
         rank, world = 0 * int(os.environ["LOCAL_WORLD_SIZE"]) + gpu, int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     learn = make_learner(global_batch // num_distrib(), path, seed)  # per-process batch

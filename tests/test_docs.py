@@ -14,7 +14,6 @@ and one whose output another test checks names that test:
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +31,17 @@ BLOCK_TIMEOUT_S = 300
 #: training), which cannot carry their `<!-- not-run -->` line yet: by their first line.
 UNMARKED_FRAGMENTS: dict[str, str] = {}  # every fragment now carries its own not-run marker
 
-split_spec = importlib.util.spec_from_file_location("split_readme", DOCS / "split_readme.py")
-split_readme = sys.modules["split_readme"] = importlib.util.module_from_spec(split_spec)
-split_spec.loader.exec_module(split_readme)
+
+def _load(name: str):
+    """A script of docs/ (docs/toc.py, docs/cli_reference.py) as a module."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+toc = _load("toc")
+cli_reference = _load("cli_reference")
 
 
 def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
@@ -146,7 +153,9 @@ def test_api_reference_documents_every_public_name():
 
 
 def test_tables_of_contents_list_every_page():
-    """One hop: every page is in the nav, in docs/index.md's contents and in the README's."""
+    """One hop: every page is in the nav, in docs/index.md's contents and in the README's, as
+    docs/toc.py lists the manual; and every page it lists exists."""
+    assert toc.main(["--check"]) == 0, "run python docs/toc.py"
     readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
     nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
     pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
@@ -154,115 +163,36 @@ def test_tables_of_contents_list_every_page():
         assert re.search(rf": {re.escape(page)}$", nav, re.MULTILINE), f"{page} is not in mkdocs.yml's nav"
         assert f"]({page})" in index, f"{page} is not in docs/index.md's contents"
         assert f"](docs/{page})" in readme, f"{page} is not in README.md's contents"
-    headings = {h[2] for h in split_readme.headings(readme.splitlines())}
-    for page in split_readme.PAGES:  # a page not written yet is still a README section, listed
-        if page.file not in pages:
-            assert page.section in headings, f"{page.file}: neither in docs/ nor a README section"
-            assert f"(#{split_readme.slug(page.section)})" in readme
+    assert sorted(p.file for p in toc.pages()) == pages, "docs/toc.py's MANUAL and docs/*.md differ"
 
 
-SAMPLE = """# tool
-
-## Set up
-
-<!-- toc -->
-<!-- /toc -->
-
-## API
-
-The table.
-
-### Streaming
-
-Streams are exact.
-
-```bash
-# not a heading
-run --it
-```
-
-#### Resume
-
-Mid-epoch, see [the example](examples/stream.py) and [`x.py`](x.py).
-
-- a point
-  - a nested point
-    that goes on
-
-## Launching
-
-Launch it.
-"""
-
-
-def sample_checkout(tmp_path: Path) -> Path:
+def test_toc_check_fails_when_a_page_is_left_out(tmp_path):
+    for name in ("README.md", "mkdocs.yml"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text(SAMPLE)
-    (tmp_path / "docs" / "index.md").write_text("# tool\n\n<!-- toc -->\n<!-- /toc -->\n")
-    (tmp_path / "mkdocs.yml").write_text("site_name: tool\nnav:\n  - Home: index.md\n")
-    return tmp_path
+    (tmp_path / "docs" / "index.md").write_text((DOCS / "index.md").read_text())
+    assert all(path.read_text() == text for path, text in toc.written(tmp_path).items())
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text().replace(" · [Clusters](docs/clusters.md)", ""))
+    assert readme.read_text() != toc.written(tmp_path)[readme]
 
 
-def test_split_readme_moves_a_nested_section_and_drops_an_emptied_parent(tmp_path):
-    root = sample_checkout(tmp_path)
-    split_readme.main(["API", "api-guide.md", "--keep", "Streaming", "--root", str(root)])
-    readme = (root / "README.md").read_text()
-    assert (
-        "## API\n\nMoved to the manual: [The API at a glance](docs/api-guide.md).\n\n### Streaming" in readme
-    )
-    assert (root / "docs" / "api-guide.md").read_text() == "# The API at a glance\n\nThe table.\n"
-
-    split_readme.main(["Streaming", "streaming.md", "--root", str(root)])
-    page = (root / "docs" / "streaming.md").read_text()
-    assert page.startswith("# Streaming\n\nStreams are exact.\n\n```bash\n# not a heading\n")
-    assert "\n## Resume\n" in page  # #### under ### -> ## on its own page
-    assert "see the example (`examples/stream.py`) and `x.py`." in page  # no link out of docs/
-    assert "- a point\n    - a nested point\n      that goes on\n" in page  # four spaces for Python-Markdown
-    readme = (root / "README.md").read_text()
-    assert "## API" not in readme and "Streams are exact" not in readme  # nothing but links was left
-    assert "- [The API at a glance](docs/api-guide.md)" in readme
-    assert "- [Streaming](docs/streaming.md): " in readme
-    assert "- [Launching and clusters](#launching): " in readme  # not moved yet: its README anchor
-    assert "- Launching and clusters: " in (root / "docs" / "index.md").read_text()
-    assert '  - "Streaming": streaming.md' in (root / "mkdocs.yml").read_text()
-
-    split_readme.main(["Launching", "launching.md", "--root", str(root)])
-    readme = (root / "README.md").read_text()
-    assert "## Launching" not in readme and "- [Launching and clusters](docs/launching.md): " in readme
-    assert (root / "docs" / "launching.md").read_text() == "# Launching and clusters\n\nLaunch it.\n"
+def test_readme_is_a_front_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120
 
 
-def test_split_readme_appends_to_an_existing_page_and_refuses_an_unknown_section(tmp_path):
-    root = sample_checkout(tmp_path)
-    (root / "docs" / "streaming.md").write_text("# Streaming\n\nIntro.\n")
-    split_readme.main(["Resume", "streaming.md", "--root", str(root)])
-    assert (
-        (root / "docs" / "streaming.md").read_text().startswith("# Streaming\n\nIntro.\n\n## Resume\n\nMid")
-    )
-    assert "Moved to the manual: [Resume](docs/streaming.md#resume)." in (root / "README.md").read_text()
-    with pytest.raises(SystemExit, match="0 headings 'Nowhere'"):
-        split_readme.main(["Nowhere", "x.md", "--root", str(root)])
+def test_cli_reference_is_what_the_commands_print():
+    """docs/cli.md is the `--help` of every subcommand: a new option cannot be left out of it."""
+    assert (DOCS / "cli.md").read_text() == cli_reference.page(), "run python docs/cli_reference.py"
 
 
-@pytest.mark.procs
-@pytest.mark.timeout(360)
-def test_moving_the_remaining_sections_keeps_the_build_strict(tmp_path):
-    """The later run of docs/split_readme.py, on a copy: every README section that still has a page
-    to go to moves, and the manual still builds in strict mode."""
-    root = tmp_path / "repo"
-    root.mkdir()
-    shutil.copy(ROOT / "README.md", root)
-    shutil.copy(ROOT / "mkdocs.yml", root)
-    shutil.copytree(DOCS, root / "docs")
-    (root / "src").symlink_to(ROOT / "src")
-    headings = {h[2] for h in split_readme.headings((root / "README.md").read_text().splitlines())}
-    todo = [p for p in split_readme.PAGES if not (root / "docs" / p.file).exists() and p.section in headings]
-    for page in todo:
-        split_readme.main([page.section, page.file, "--root", str(root)])
-    left = {h[2] for h in split_readme.headings((root / "README.md").read_text().splitlines())}
-    if "Check your own workload" in left:  # a subsection beside "What is exact", not inside it
-        split_readme.main(["Check your own workload", "exact.md", "--root", str(root)])
-    readme = (root / "README.md").read_text()
-    assert "Moved to the manual" not in readme  # every parent emptied of its subsections went too
-    proc = mkdocs_build(root / "mkdocs.yml", tmp_path / "site")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_environment_reference_names_every_variable():
+    """docs/environment.md names every variable of unison.env_names and every UNISON_* in src/."""
+    import unison.env_names as names
+
+    page = (DOCS / "environment.md").read_text()
+    wanted = {v for k, v in vars(names).items() if k.endswith("_ENV") and isinstance(v, str)}
+    for path in (ROOT / "src" / "unison").rglob("*.py"):
+        wanted |= set(re.findall(r"\bUNISON_[A-Z0-9_]+\b", path.read_text()))
+    missing = sorted(name for name in wanted if f"`{name}`" not in page)
+    assert not missing, f"add to docs/environment.md: {missing}"

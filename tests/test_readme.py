@@ -82,3 +82,27 @@ def test_readme_example_on_two_processes_equals_one_at_twice_the_batch(tmp_path)
     gaps = {name: float((one[2][name].double() - two[2][name].double()).abs().max()) for name in one[2]}
     assert max(gaps.values()) <= 1e-5, gaps
     assert 0.5 < one[1] <= 1.0  # and it learned the rule (chance is 0.5)
+
+
+def readme_block(heading: str) -> str:
+    """The first Python block under a README heading."""
+    text = README.read_text()
+    return re.search(rf"## {heading}\n.*?```python\n(.*?)```", text, re.DOTALL).group(1)
+
+
+def test_readme_own_loop_fragment_trains_with_the_script_above(tmp_path, monkeypatch):
+    """The "Your own loop" fragment, on the x, y and model of the training script above it (as its
+    marker says), runs as a plain one-process run and learns the rule."""
+    import torch
+
+    setup = readme_example().split("learn = Learner(")[0]  # imports, data and model
+    code = setup + "import unison\nimport torch.nn.functional as F\n" + readme_block("Your own loop")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        exec(compile(code, "README.md (Your own loop)", "exec"), scope)
+    model, x, y = scope["model"], scope["x"], scope["y"]
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x[896:]).argmax(1) == y[896:]).float().mean().item()
+    assert acc > 0.8, acc

@@ -167,9 +167,9 @@ def group_key_prefix(generation: int, environ: dict[str, str] | None = None) -> 
 def _bound_live_group(timeout: float | None) -> None:
     """Apply a timeout that was asked for (argument or `unison launch --timeout`) to the live group.
 
-    A group the script made (`init_process_group` in examples/local_rank.py) keeps torch's 30 minutes otherwise;
-    a group unison made earlier (`rank0_first`) keeps the timeout it was made with. Left as is
-    when no timeout was asked for.
+    A group the script made (`init_process_group`, as in examples/local_rank.py) keeps torch's 30
+    minutes otherwise; a group unison made earlier (`rank0_first`) keeps the timeout it was made
+    with. Left as is when no timeout was asked for.
     """
     if timeout is None and not os.environ.get(TIMEOUT_ENV):
         return

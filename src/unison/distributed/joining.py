@@ -32,8 +32,8 @@ def training_device(learn: Any, cuda_id: int | None, backend: str | None = None)
     """The device a distributed learner trains on: the local rank's GPU (or `cuda_id`) under CUDA,
     else the model's.
 
-    Without CUDA a `cuda_id` (`to_distributed(local_rank)`, as in examples/local_rank.py) is only this process's
-    place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
+    Without CUDA a `cuda_id` (`to_distributed(local_rank)`, as in examples/local_rank.py) is only
+    this process's place: it trains on the CPU, as `setup_distrib` binds no GPU. gloo asked for: the CPU too.
     """
     force_cpu = (backend or os.environ.get(BACKEND_ENV)) == "gloo"
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

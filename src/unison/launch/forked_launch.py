@@ -1,12 +1,12 @@
 """`unison launch` as a fork of a process that preloaded torch, for a tool that launches many times.
 
 `unison check-exact` launches the user's script two to four times. Each launch as a fresh
-interpreter imports torch and `torch._dynamo` again (a 2-process launch of a small script: about
-3.8 CPU-s, most of it imports). A process that imported the zygote's `PRELOAD` itself and says so
-(`PRELOADED_PID_ENV` holds its pid, as the test suite's warm runner sets for its children) can
-instead fork each launch: the forked launcher is then that preloaded process in turn
-(`zygote.can_fork`), its zygote and workers forks of it (about 0.8 CPU-s a launch). Anywhere else
-(`preloaded()` is False) the launch is a fresh interpreter, as before.
+interpreter imports torch and `torch._dynamo` again, which is most of a short launch's cost. A
+process that imported the zygote's `PRELOAD` itself and says so (`PRELOADED_PID_ENV` holds its
+pid, as the test suite's warm runner sets for its children) can instead fork each launch: the
+forked launcher is then that preloaded process in turn (`zygote.can_fork`), its zygote and
+workers forks of it, with nothing left to import (docs/benchmarks.md has the figures). Anywhere
+else (`preloaded()` is False) the launch is a fresh interpreter.
 
     proc = start(["--nproc", "2", "train.py"], env=env, log=log)  # Popen, or a ForkedLaunch
     status = proc.wait(timeout=600)

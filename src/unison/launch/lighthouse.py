@@ -61,16 +61,31 @@ class LighthouseOptionError(ValueError):
 
 def lighthouse_main(argv: Sequence[str]) -> int:
     """`unison lighthouse`: start torchft's lighthouse, print `TORCHFT_LIGHTHOUSE=<address>` for the
-    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status.
+    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status. For example
+    (`unison lighthouse --min-replicas 2 --port 29510` on the command line):
 
-    >>> lighthouse_main(["--min-replicas", "2", "--port", "29510"])   # doctest: +SKIP
+        lighthouse_main(["--min-replicas", "2", "--port", "29510"])
     """
-    parser = argparse.ArgumentParser(prog="unison lighthouse", description=lighthouse_main.__doc__)
+    what = (
+        "Start torchft's lighthouse, print TORCHFT_LIGHTHOUSE=<address> for the replicas "
+        "(distrib_ctx(fault_tolerant=True)), and serve until SIGTERM or Ctrl-C."
+    )
+    parser = argparse.ArgumentParser(prog="unison lighthouse", description=what)
     parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
     parser.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="wait for late replicas")
-    parser.add_argument("--quorum-tick-ms", type=int, default=QUORUM_TICK_MS)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS)
+    parser.add_argument(
+        "--quorum-tick-ms",
+        type=int,
+        default=QUORUM_TICK_MS,
+        help=f"quorum interval (default {QUORUM_TICK_MS})",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=HEARTBEAT_TIMEOUT_MS,
+        help=f"a replica silent this long is dropped (default {HEARTBEAT_TIMEOUT_MS})",
+    )
     args = parser.parse_args(list(argv))
     for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
         if getattr(args, name) < 1:

@@ -1,9 +1,9 @@
 """The warm start: `unison launch` forks its workers from a process that has already imported torch.
 
-A cold worker is a fresh interpreter that imports torch (about 1.2 CPU-s) and `torch._dynamo`,
-which every `torch.optim` optimizer imports (about 0.8 CPU-s more): for a short job or a restart,
-most of a worker's start. So each launch has one *zygote* beside torch's agent that imports both
-once (`PRELOAD`), and the agent's workers are forked from it:
+A cold worker is a fresh interpreter that imports torch and `torch._dynamo`, which every
+`torch.optim` optimizer imports: for a short job or a restart, most of a worker's start
+(docs/benchmarks.md, "Starting workers warm"). So each launch has one *zygote* beside torch's
+agent that imports both once (`PRELOAD`), and the agent's workers are forked from it:
 
 - the zygote is forked from the launcher itself, right after the launcher has imported torch
   for its agent and before it changes anything of torch's (its loggers) or starts a thread; it
@@ -125,7 +125,7 @@ class Zygote:
         """Start the zygote with `env` (this process's environment by default: what the workers inherit).
 
         `fork=True` (see `can_fork`): fork it from this process, which has imported torch and
-        nothing else yet; the zygote shares its torch (about 1 CPU-s) and imports only the rest
+        nothing else yet; the zygote shares its torch import and imports only the rest
         of `PRELOAD`. Else it is a fresh interpreter, `python -m unison.launch.zygote`.
         """
         folder = tempfile.mkdtemp(prefix="unison-zygote-")  # 0700: only this user reaches the socket

@@ -52,12 +52,20 @@ from unison.callbacks.preemption import OnPreempt, handling
 from unison.callbacks.progress import ProgressCallback
 from unison.checkpoint import learner_files
 from unison.checkpoint.callback import Checkpoint
+from unison.checkpoint.components import stateful_problem
 from unison.data.batch import map_tensors
 from unison.data.loader import shard_problem
 from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
-from unison.run_host import RunHost, RunLoader, RunOptimizer
+from unison.run_host import (
+    RunHost,
+    RunLoader,
+    RunOptimizer,
+    RunScheduler,
+    check_schedulers,
+    require_training_batch,
+)
 
 __all__ = ["Run"]
 
@@ -108,30 +116,76 @@ class Run:
         self.host.add_cbs(cb for cb in defaults if not isinstance(cb, ProgressCallback))  # (no bars here)
         self._stack = contextlib.ExitStack()
         self._open = False
+        #: What checkpoints and torchft heals carry besides model and optimizer, by name.
+        self._components: dict[str, Any] = {}
+        self._setup_lrs: list[Any] | None = None  # each param group's LR as `setup` left it
+        self._opt: RunOptimizer | None = None
+        self._backwarding = False  # inside run.backward: the loss's own .backward() is refused outside it
 
     # ---- the loop's parts ----------------------------------------------------------------
-    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, RunOptimizer]:
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Any:
         """Join the launch's process group (a no-op outside one) and train `model` with the strategy:
         its BatchNorm synchronised exactly, wrapped for DDP (or sharded with `shard=True`), on this
-        process's device. Returns the model to call and the optimizer to step.
+        process's device. Returns the model to call, the optimizer to step and, when given, the LR
+        scheduler to step: its `step()` takes effect at real optimizer steps only (not on
+        accumulation micro-steps, not in a redone torchft pass), and its state is checkpointed and
+        carried by a torchft heal. `run.setup(model)` alone: evaluation only (returns the model).
 
-        >>> model, opt = run.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))  # doctest: +SKIP
+        >>> model, opt, sched = run.setup(model, opt, OneCycleLR(opt, 1e-3, total_steps=n))  # doctest: +SKIP
         """
         host = self.host
         if host.model is not None:
             raise RuntimeError("Run.setup was called already: one model and optimizer per Run")
-        if not isinstance(opt, torch.optim.Optimizer):
+        if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"Run.setup(model, opt): opt must be a torch optimizer, got {type(opt).__name__}")
-        host.model, host.opt, host.lr = model, opt, opt.defaults.get("lr")
-        # (FSDP2 rebuilds the optimizer over the shards: the same kind, the same hyper-parameters, of
-        # those its constructor takes; every group's own values are copied over after.)
-        accepted = inspect.signature(type(opt)).parameters
-        options = {k: v for k, v in opt.defaults.items() if k in accepted}
-        host.opt_func = lambda params, lr=None: type(opt)(params, **options)
+        if scheduler is not None:
+            if opt is None:
+                raise ValueError(
+                    "Run.setup(model, scheduler=...): give its optimizer too, run.setup(model, opt, sched)"
+                )
+            problem = stateful_problem(scheduler)
+            if problem is not None:
+                raise TypeError(f"Run.setup(model, opt, scheduler): {problem}")
+        host.model = model
+        if opt is not None:
+            host.opt, host.lr = opt, opt.defaults.get("lr")
+            # (FSDP2 rebuilds the optimizer over the shards: the same kind, the same hyper-parameters,
+            # of those its constructor takes; every group's own values are copied over after.)
+            accepted = inspect.signature(type(opt)).parameters
+            options = {k: v for k, v in opt.defaults.items() if k in accepted}
+            host.opt_func = lambda params, lr=None: type(opt)(params, **options)
         attach_if_checking(host)  # only under `unison check-exact`: records the first steps
         engine.attach_strategy(host, host.config)
+        carry = getattr(host.strategy, "carry", None)
+        if carry is not None:  # torchft: a replacement heals these from a peer too
+            carry(self._components)
         self._open = True
-        return host.model, RunOptimizer(host)
+        if host.opt is None:
+            return host.model
+        self._setup_lrs = [group["lr"] for group in host.opt.param_groups]
+        self._opt = RunOptimizer(host)
+        if scheduler is None:
+            return host.model, self._opt
+        if host.opt is not opt and getattr(scheduler, "optimizer", None) is opt:
+            scheduler.optimizer = host.opt  # (FSDP2's rebuilt optimizer, with the same groups' values)
+        self._components["scheduler"] = scheduler
+        return host.model, self._opt, RunScheduler(host, scheduler)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore `objects` (each with `state_dict` / `load_state_dict`: an EMA of the
+        weights, a step counter, a scheduler stepped your own way) with every checkpoint, and carry
+        them in a torchft heal; restored after the optimizer, whose hyper-parameters they leave as
+        restored. Register the same objects, in the same order, in the run that resumes.
+
+        >>> run.register_for_checkpointing(ema)                                  # doctest: +SKIP
+        """
+        for obj in objects:
+            problem = stateful_problem(obj)
+            if problem is not None:
+                raise TypeError(f"Run.register_for_checkpointing: {problem}")
+            kind = type(obj).__name__
+            index = sum(name.startswith(f"{kind}:") for name in self._components)
+            self._components[f"{kind}:{index}"] = obj
 
     def loader(self, dl: DataLoader, *, train: bool | None = None) -> RunLoader:
         """This rank's share of `dl`, each epoch in the order of the epoch (the same for any number of
@@ -172,8 +226,8 @@ class Run:
             if host.get_cb(Checkpoint) is None:
                 self.checkpoint()
             learner_files.resume(host)  # no checkpoint yet: start fresh
-        assert host.opt is not None
-        host.opt.zero_grad(set_to_none=True)
+        if host.opt is not None:
+            host.opt.zero_grad(set_to_none=True)
         with handling(host):  # preemption signals, handled while the epochs run
             try:
                 host("before_fit")
@@ -212,22 +266,41 @@ class Run:
         count = float(count.item() if isinstance(count, Tensor) else count)
         mean = value if reduction == "mean" else None
         total = value if reduction == "sum" else value.nan_to_num(0.0) * count  # (an empty share: 0)
+        if host.model is not None and host.model.training:
+            require_training_batch(host, "Run.loss")
         host.exact_loss.count_is_rows = False  # counted by the loop: summed over ranks at each step
         engine.score(host, total, count, mean)
         host("after_loss")
-        assert host.loss_grad is not None
-        return host.loss_grad
+        out = host.loss_grad
+        assert out is not None
+        if host.training and out.requires_grad:
+            out.register_hook(self._refuse_bare_backward)  # `.backward()` on it, not run.backward(it)
+        return out
 
     def backward(self, loss: Tensor) -> None:
         """Backpropagate what `run.loss` returned; at the last batch of an optimizer step the
         gradient becomes that of the global batch (every rank and accumulated batch)."""
         host = self.host
-        if not host.training:
-            raise RuntimeError("Run.backward: not in a training pass (call model.train() before the loop)")
-        host.loss_grad = loss
+        require_training_batch(host, "Run.backward")
+        if loss is not host.loss_grad or loss is None:
+            raise RuntimeError(
+                "Run.backward: give it what run.loss returned for this batch, unchanged: "
+                "run.backward(run.loss(loss_sum, count=n)) (the gradient is made exact from its count)"
+            )
         host("before_backward")
-        engine.backward(host)
+        self._backwarding = True
+        try:
+            engine.backward(host)
+        finally:
+            self._backwarding = False
         host("after_backward")
+
+    def _refuse_bare_backward(self, grad: Tensor) -> None:
+        if not self._backwarding:
+            raise RuntimeError(
+                "Run: a loss from run.loss was backpropagated with .backward(): call run.backward(loss) "
+                "instead (it makes the step's gradient that of the global batch)"
+            )
 
     def checkpoint(
         self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False
@@ -240,12 +313,27 @@ class Run:
         >>> run.checkpoint(every=100)                                           # doctest: +SKIP
         """
         ckpt = self.host.get_cb(Checkpoint)
+        accumulate = self.host.accumulate
+        if every is not None and isinstance(every, int) and every % accumulate:
+            raise ValueError(
+                f"Run.checkpoint(every={every}): with accumulate={accumulate} a checkpoint is taken at an "
+                f"optimizer step, every {accumulate} batches: give every a multiple of {accumulate}"
+            )
         if ckpt is None:
-            ckpt = Checkpoint(every=every, fname=fname, keep_previous=keep_previous)
+            ckpt = Checkpoint(
+                every=every,
+                fname=fname,
+                keep_previous=keep_previous,
+                components=self._components,
+                checks=[self._check_schedulers],
+            )
             self.host.add_cb(ckpt)
         elif every is not None and ckpt.every != every:
             ckpt.every = Checkpoint(every=every).every  # (checked as the constructor checks it)
         return ckpt.file
+
+    def _check_schedulers(self) -> None:
+        check_schedulers(self.host, self._setup_lrs, self._components, self._opt)
 
     def gather(self, value: Any) -> Any:
         """`value` (a tensor, or a tuple / list / dict of them, one row per item of this rank's batch)
@@ -289,12 +377,24 @@ class Run:
         return self.host.iter
 
     @property
+    def sync_gradients(self) -> bool:
+        """True in a training batch whose `opt.step()` is a real optimizer step: the last batch of an
+        accumulated step (Accelerate's `sync_gradients`), not a torchft pass whose commit failed.
+        A per-step counter or a scheduler stepped your own way steps when this is True.
+
+        >>> opt.step(); step += run.sync_gradients                           # doctest: +SKIP
+        """
+        host = self.host
+        return bool(host.grad_sync and not host.redo_step)
+
+    @property
     def redoing(self) -> bool:
         """True from a `run.backward` whose torchft commit vote failed (`fault_tolerant=True`: a
         replica was lost mid-step) until the loader yields the step again: this pass's `opt.step()`
-        is skipped; skip your own per-step bookkeeping too (a scheduler's `step()`, a step counter).
+        is skipped, as the `step()` of a scheduler given to `run.setup` is; skip your own per-step
+        bookkeeping too (or count steps by `run.sync_gradients`).
 
-        >>> opt.step(); sched.step() if not run.redoing else None            # doctest: +SKIP
+        >>> opt.step(); step += 0 if run.redoing else 1                      # doctest: +SKIP
         """
         return self.host.redo_step
 

@@ -35,7 +35,14 @@ from unison.events import (
     fire,
 )
 
-__all__ = ["RunHost", "RunLoader", "RunOptimizer"]
+__all__ = [
+    "RunHost",
+    "RunLoader",
+    "RunOptimizer",
+    "RunScheduler",
+    "check_schedulers",
+    "require_training_batch",
+]
 
 
 class RunHost:
@@ -266,3 +273,66 @@ class RunOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"RunOptimizer({self.optimizer!r})"
+
+
+class RunScheduler:
+    """The LR scheduler `Run.setup` returns: the user's, whose `step()` takes effect at real optimizer
+    steps only (as `opt.step()` does): a no-op on accumulation micro-steps and in a torchft pass
+    whose commit failed (the loop body runs again and steps then). Everything else is the scheduler's.
+
+    >>> model, opt, sched = run.setup(model, opt, sched); ...; opt.step(); sched.step()   # doctest: +SKIP
+    """
+
+    def __init__(self, host: RunHost, scheduler: Any) -> None:
+        self._host, self.scheduler = host, scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        host = self._host
+        if host.training and (not host.grad_sync or host.redo_step):
+            return
+        self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # get_last_lr, state_dict, optimizer, ...
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"RunScheduler({self.scheduler!r})"
+
+
+def require_training_batch(host: RunHost, what: str) -> None:
+    """Refuse `what` (a training loss or backward) outside a batch of a `run.loader` training pass."""
+    if host.training and host.in_batch:
+        return
+    if host.model is not None and host.model.training:
+        raise RuntimeError(
+            f"{what}: not in a pass over run.loader(dl): iterate what run.loader(dl) returns, not "
+            "the DataLoader itself (unison shards it across processes and counts the steps)"
+        )
+    raise RuntimeError(f"{what}: not in a training pass: call model.train() before iterating run.loader(dl)")
+
+
+def check_schedulers(
+    host: RunHost, setup_lrs: list[Any] | None, components: dict[str, Any], run_opt: Any
+) -> None:
+    """Refuse a checkpoint of an LR that a torch scheduler unknown to unison moved: its state would
+    not be saved, and a resume would restart its schedule. (A learning rate the loop sets itself,
+    as nanoGPT's `get_lr(step)`, is a function of the step and resumes as it is.)"""
+    if host.opt is None or setup_lrs is None:
+        return
+    known = [c for c in components.values() if getattr(c, "optimizer", None) is not None]
+    known += [cb for cb in host.cbs if getattr(cb, "scheduler", None) is not None]  # LRSchedulerCallback
+    if known:
+        return
+    groups = host.opt.param_groups
+    # A torch scheduler built on the optimizer leaves its marks: `initial_lr`, a wrapped `step`.
+    built = any("initial_lr" in g for g in groups) or any(
+        hasattr(getattr(o, "step", None), "_wrapped_by_lr_sched") for o in (host.opt, run_opt)
+    )
+    moved = [(was, g["lr"]) for was, g in zip(setup_lrs, groups, strict=True) if g["lr"] != was]
+    if built and moved:
+        was, now = moved[0]
+        raise ValueError(
+            f"Run.checkpoint: an LR scheduler unison was not given moved the learning rate from {was:.3g} "
+            f"to {now:.3g}: its state would not be saved and a resume would restart it; pass it to "
+            "run.setup(model, opt, scheduler) and step the scheduler that returns"
+        )

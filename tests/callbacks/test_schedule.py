@@ -78,3 +78,42 @@ def test_reduce_lr_on_plateau_gives_every_rank_the_lrs_of_one_process(pool2):
         assert lrs2 == lrs1 and min(lrs1) < 0.05
         assert torch.tensor(values2).sub(torch.tensor(values1)).abs().max() < 1e-6
         assert max_diff(w1, w2) < 1e-6
+
+
+# ---- a torch scheduler across a resume (issue 48.2) ----------------------------------------------
+class CrashAt(Callback):
+    """A crash after the Checkpoint callback (order 90) saved batch `it` of `epoch`."""
+
+    order = 95
+
+    def __init__(self, epoch, it):
+        self.at = (epoch, it)
+
+    def after_batch(self):
+        if self.learn.training and (self.learn.epoch, self.learn.iter) == self.at:
+            raise RuntimeError("crash")
+
+
+def _one_cycle_fit(path, cbs, resume=False):
+    from unison import Checkpoint
+
+    set_seed(0)
+    learn = Learner(make_dls(40, 8, bs=4), nn.Linear(4, 2), nn.CrossEntropyLoss(), path=path)
+    sched = LRSchedulerCallback(
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=30)
+    )
+    with quiet():
+        learn.fit(3, lr=0.05, cbs=[sched, Checkpoint(every=2), *cbs], resume=resume)
+    return learn
+
+
+def test_a_resumed_one_cycle_lr_scheduler_callback_ends_on_the_uninterrupted_weights(tmp_path):
+    """The scheduler is built after the checkpoint is loaded: its constructor must not leave its
+    first step's LR (and momentum) in the optimizer."""
+    whole = _one_cycle_fit(tmp_path / "whole", [])
+    with pytest.raises(RuntimeError, match="crash"):
+        _one_cycle_fit(tmp_path / "cut", [CrashAt(1, 4)])  # saved at batch 4 (every=2), then dies
+    resumed = _one_cycle_fit(tmp_path / "cut", [], resume=True)
+    expected, got = weights(whole), weights(resumed)
+    assert all(torch.equal(got[k], expected[k]) for k in expected), max_diff(got, expected)
+    assert resumed.opt.param_groups[0]["lr"] == whole.opt.param_groups[0]["lr"]

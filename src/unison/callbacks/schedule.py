@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.callbacks.core import Callback, CancelFitException, CancelValidException
+from unison.checkpoint.components import kept_hyperparameters
 from unison.data.stream import loader_length
 from unison.optim import top_lr
 
@@ -121,8 +122,12 @@ class LRSchedulerCallback(Callback):
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def before_fit(self) -> None:
-        self.scheduler = self.make_scheduler(self.learn.opt)
-        if self._pending is not None:  # resumed from a checkpoint
+        opt = self.learn.opt
+        if self._pending is None:
+            self.scheduler = self.make_scheduler(opt)
+        else:  # resumed from a checkpoint: the optimizer holds the interrupted run's LR and momentum
+            with kept_hyperparameters(opt):  # (the constructor writes its first step's into it)
+                self.scheduler = self.make_scheduler(opt)
             self.scheduler.load_state_dict(self._pending)
             self._pending = None
         if self.on_plateau:

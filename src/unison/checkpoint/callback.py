@@ -2,8 +2,9 @@
 
 A checkpoint holds what continuing needs to land on the very weights an
 uninterrupted run reaches: model, optimizer, every callback's state (recorder
-included), the data-order seed, the position (epoch, and samples consumed this
-epoch), and the RNG states of every rank. Rank 0 writes it atomically (temp file,
+included), the components it is handed (`components`: an LR scheduler, any object
+with `state_dict`/`load_state_dict`), the data-order seed, the position (epoch, and
+samples consumed this epoch), and the RNG states of every rank. Rank 0 writes it atomically (temp file,
 fsync, rename: the previous checkpoint stays whole until the new one is), every
 rank reads it with `weights_only=True`.
 
@@ -17,11 +18,13 @@ import os
 import secrets
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from unison.checkpoint.components import check_components, component_states, load_components
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.format import (
     FORMAT_KEY,
@@ -69,7 +72,9 @@ class Checkpoint(Callback):
     The file is `learn.path / learn.model_dir / f"{fname}.pth"`; `learn.fit(n, resume=True)`
     continues from it (or starts fresh when there is none). `keep_previous=True` keeps the
     checkpoint each save replaces (`checkpoint.prev.pth` / `.prev.dcp`) and resumes from it,
-    with a warning, when the newest is refused.
+    with a warning, when the newest is refused. `components` (name -> object with `state_dict` /
+    `load_state_dict`, read at each save) are saved too and restored after the optimizer, its
+    hyper-parameters kept; `checks` run on every rank before each save (one may refuse it).
 
     >>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
     >>> learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
@@ -77,10 +82,19 @@ class Checkpoint(Callback):
 
     order = 90  # after the recorder and trackers have settled this batch's / epoch's state
 
-    def __init__(self, every: int | None = None, fname: str = "checkpoint", keep_previous: bool = False):
+    def __init__(
+        self,
+        every: int | None = None,
+        fname: str = "checkpoint",
+        keep_previous: bool = False,
+        components: dict[str, Any] | None = None,
+        checks: list[Callable[[], None]] | None = None,
+    ):
         if every is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"Checkpoint: every must be a positive int or None, got {every!r}")
         self.every, self.fname, self.keep_previous = every, fname, keep_previous
+        self.components = components if components is not None else {}
+        self.checks = checks if checks is not None else []
         self.saves = 0
         #: True while a save runs: a write in progress is progress (the preemption stall rule reads it).
         self.writing = False
@@ -126,6 +140,8 @@ class Checkpoint(Callback):
 
     def save(self, epoch: int, batches_done: int) -> Path:
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
+        for check in self.checks:  # (every rank: a refusal leaves none waiting in the gather below)
+            check()
         self.writing = True
         try:
             return self._save(epoch, batches_done)
@@ -162,6 +178,7 @@ class Checkpoint(Callback):
                 "recorder": learn.recorder.state_dict(),
                 "recorder_partial": recorder_partial,
                 "callbacks": self._callback_states(),
+                "components": component_states(self.components),
             }
             if sharded:
                 save_sharded(
@@ -228,6 +245,8 @@ class Checkpoint(Callback):
                 GlobalBatchChangedWarning,
                 stacklevel=2,
             )
+        components = state.get("components") or {}
+        check_components(self.components, components, folder or self.file)
         # Everything is checked: now change the learner.
         if learn.opt is None:
             learn.create_opt()
@@ -247,6 +266,7 @@ class Checkpoint(Callback):
         for key, cb in self._keys():
             if key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][key])
+        load_components(self.components, components, learn.opt)
         rank = learn.collective.rank
         rng = state["rng"]
         set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])

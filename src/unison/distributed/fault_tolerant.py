@@ -137,6 +137,7 @@ class FaultTolerantTrainer(Callback):
         self._position = (0, 0)  # (epoch, step) this replica is at: what a healing peer receives
         self._healed_to: tuple[int, int] | None = None
         self._full: tuple[Any, Any] | None = None  # the whole global batch of the step in flight
+        self._carried: dict[str, Any] = {}  # what a heal carries besides model and optimizer (`carry`)
         #: What happened, for logs and tests: steps redone, and the position this replica healed at.
         self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": [], "quorums": 0}
 
@@ -243,17 +244,24 @@ class FaultTolerantTrainer(Callback):
             self.created_group = False
 
     # ---- what a healing peer receives -----------------------------------------------
+    def carry(self, components: dict[str, Any]) -> None:
+        """Heal `components` too (name -> object with `state_dict` / `load_state_dict`: a scheduler)."""
+        self._carried = components
+
     def _state(self) -> dict[str, Any]:
         learn, (epoch, step) = self.learn, self._position
         assert learn.opt is not None
         model, opt = learn.raw_model.state_dict(), learn.opt.state_dict()
-        return {"model": model, "opt": opt, "epoch": epoch, "step": step, "data_seed": learn.data_seed}
+        carried = {name: obj.state_dict() for name, obj in self._carried.items()}
+        return dict(model=model, opt=opt, carried=carried, epoch=epoch, step=step, data_seed=learn.data_seed)
 
     def _load_state(self, state: dict[str, Any]) -> None:
         learn = self.learn
         assert learn.opt is not None
         learn.raw_model.load_state_dict(state["model"])
         learn.opt.load_state_dict(state["opt"])
+        for name, obj in self._carried.items():  # (every replica runs the script: the same names)
+            obj.load_state_dict(state["carried"][name])
         if state["data_seed"] != learn.data_seed:
             learn.data_seed = state["data_seed"]
         self._healed_to = (int(state["epoch"]), int(state["step"]))
@@ -426,10 +434,8 @@ class FaultTolerantTrainer(Callback):
         epoch, step = self._position
         now = self.events["participants"][-1]
         self.events.setdefault("lost", []).append(lost)
-        self._say(
-            f"epoch {epoch} step {step} failed with {was} replicas; redone with {now} over the same "
-            f"items; {lost}"
-        )
+        failed = f"epoch {epoch} step {step} failed with {was} replicas"
+        self._say(f"{failed}; redone with {now} over the same items; {lost}")
 
     def _recompute_share(self) -> None:
         """The Learner's redo: the new share's forward pass, loss and gradient, as the step made them."""
@@ -437,8 +443,7 @@ class FaultTolerantTrainer(Callback):
         learn.pred = learn.call_model(learn.model, learn.xb)
         total, count, mean = learn.exact_loss.terms(learn)
         learn.loss_count = count
-        if mean is None:
-            mean = total / count if count > 0 else total * 0
+        mean = mean if mean is not None else (total / count if count > 0 else total * 0)
         learn.loss = mean.detach()
         learn.loss_grad = learn.exact_loss.to_backward(learn, total, count, mean)
         learn.loss_grad.backward()

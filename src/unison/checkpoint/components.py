@@ -1,0 +1,80 @@
+"""The objects a checkpoint (and a torchft heal) is handed besides model and optimizer: anything with
+`state_dict` / `load_state_dict` that the loop steps (an LR scheduler, an EMA of the weights, a
+step counter), each under a stable name, restored after the optimizer without touching the
+optimizer's hyper-parameters.
+
+>>> components = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10)}     # doctest: +SKIP
+>>> Checkpoint(every=100, components=components)                             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from unison.checkpoint.errors import CheckpointError
+
+__all__ = [
+    "check_components",
+    "component_states",
+    "kept_hyperparameters",
+    "load_components",
+    "stateful_problem",
+]
+
+
+def stateful_problem(obj: Any) -> str | None:
+    """Why `obj` cannot be checkpointed (one line), or None when it has `state_dict` and `load_state_dict`."""
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+    if missing:
+        return f"a {type(obj).__name__} has no {' or '.join(missing)}: it cannot be checkpointed"
+    return None
+
+
+@contextlib.contextmanager
+def kept_hyperparameters(opt: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Every param group's hyper-parameters (LR, momentum, betas, a scheduler's `initial_lr`, ...) as
+    they were before the block: a torch scheduler built or loaded on a restored optimizer may write
+    its own values into it, and a resume continues from the restored ones.
+
+    >>> with kept_hyperparameters(opt):                                   # doctest: +SKIP
+    ...     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+    """
+    groups = opt.param_groups if opt is not None else []
+    kept = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    try:
+        yield
+    finally:
+        for group, values in zip(groups, kept, strict=True):
+            group.update(values)
+
+
+def component_states(components: Mapping[str, Any]) -> dict[str, Any]:
+    """Each component's `state_dict()`, by name."""
+    return {name: obj.state_dict() for name, obj in components.items()}
+
+
+def check_components(components: Mapping[str, Any], states: Mapping[str, Any], source: Any) -> None:
+    """Refuse, in one line, a checkpoint whose components are not those handed now: one left at
+    its start, or a saved one dropped, would resume silently off the uninterrupted run."""
+    missing = sorted(set(components) - set(states))
+    unexpected = sorted(set(states) - set(components))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} holds the components {sorted(states)}, this run hands {sorted(components)}: "
+            "resume with the same objects (a scheduler given to run.setup, registered state) as the "
+            "interrupted run"
+        )
+
+
+def load_components(
+    components: Mapping[str, Any], states: Mapping[str, Any], opt: torch.optim.Optimizer | None
+) -> None:
+    """Load `states` into `components` (checked by `check_components`), keeping `opt`'s
+    hyper-parameters as the checkpoint restored them."""
+    with kept_hyperparameters(opt):
+        for name, obj in components.items():
+            obj.load_state_dict(states[name])

@@ -144,6 +144,11 @@ class DistributedTrainer(Callback):
             device_ids = [device.index] if device.type == "cuda" else None
             if dist.get_backend() == "gloo":
                 kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
+            # A zero-size parameter never gets a gradient (fastai's collab model keeps a zero-width
+            # BatchNorm it never calls): DDP would wait for it; there is nothing of it to synchronise.
+            empty = [name for name, p in model.named_parameters() if p.numel() == 0]
+            if empty:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
             model = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
         learn.model = model  # (a model with nothing to train needs no DDP, only sharded data)
         join_collective(learn, collective)

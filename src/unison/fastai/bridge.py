@@ -27,8 +27,11 @@ time: while the bridge is attached on W > 1 processes, `WORLD_SIZE` reads 1 in t
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +39,7 @@ from typing import Any
 import fastai.callback.core as fastai_core
 import torch
 from fastcore.basics import noop
+from fastcore.foundation import L
 
 import unison.engine as engine
 import unison.events as unison_events
@@ -45,9 +49,18 @@ from unison.callbacks.preemption import Preemption
 from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
+from unison.distributed.sync_bn import revert_sync_batchnorm
 from unison.events import fire
 from unison.fastai.loader import RankShardedFastaiDL
-from unison.fastai.state import DataOrderState, PlainStateOptimizer, RecorderView, as_rng_state, rng_list
+from unison.fastai.state import (
+    CallbackStates,
+    DataOrderState,
+    PlainStateOptimizer,
+    RecorderView,
+    as_rng_state,
+    rng_list,
+    user_callbacks,
+)
 from unison.losses import zero_loss
 from unison.rng import get_rng_state, set_rng_state
 from unison.run_host import RunHost
@@ -91,8 +104,11 @@ class _AfterRecorder(fastai_core.Callback):
             self.bridge.fire("after_epoch")
 
     def after_fit(self) -> None:
-        if not self.learn.lock.locked():
-            self.bridge.end_fit()
+        try:
+            if not self.learn.lock.locked():
+                self.bridge.end_fit()
+        finally:
+            self.bridge.leave_fit()
 
 
 class UnisonBridge(fastai_core.Callback):
@@ -130,10 +146,18 @@ class UnisonBridge(fastai_core.Callback):
         self.pending_order: dict[str, Any] | None = None  # a mid-epoch resume's epoch-start generators
         self.skip_to: tuple[int, int] | None = None  # (epoch, batch) a resumed fit continues at
         self.iter_offset = 0
+        self.paused: list[Any] = []  # the user's callbacks paused while a resumed fit passes finished epochs
+        self.csv_starts: dict[str, int] = {}  # each CSVLogger's file size when the fit began (rank 0)
+        self.before_sweep: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.quiet = contextlib.ExitStack()  # rank > 0: fastai's messages (print) from rank 0 alone
+        self.quiet_depth = 0
+        self.batch_told = False
         if self.checkpointing:
             # Preemption: a scheduler's signal (SIGTERM, SIGUSR1) checkpoints every rank at one step and
             # exits 75; the job resubmitted resumes (its handlers are installed by distrib_ctx).
-            host.add_cbs([Checkpoint(every=checkpoint_every), self.order_state, Preemption()])
+            states = CallbackStates(learn, self.csv_starts)
+            checkpoint = Checkpoint(every=checkpoint_every, components={"fastai_callbacks": states})
+            host.add_cbs([checkpoint, self.order_state, Preemption()])
 
     # ---- where this process stands ------------------------------------------------------
     @property
@@ -151,6 +175,30 @@ class UnisonBridge(fastai_core.Callback):
                 host(event)
         except tuple(_CANCELS) as exc:
             raise _CANCELS[type(exc)]() from exc
+
+    @property
+    def shares_files(self) -> bool:
+        """Whether `learn.save`/`load`/`export` go through `together` (W > 1, outside `lr_find`'s
+        sweep, whose temporary file is rank 0's own and whose start every rank restores in memory)."""
+        return self.world_size > 1 and not self.sweep
+
+    def together(self, what: str, work: Any) -> Any:
+        """`work()` on every rank (fastai writes on rank 0 alone), then every rank learns how every
+        other one did: a file written is whole before any rank reads it, and a rank's own error is
+        raised on every rank, naming it, instead of leaving the others waiting."""
+        error: BaseException | None = None
+        try:
+            result = work()
+        except Exception as exc:
+            error, result = exc, None
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        failed = [(r, e) for r, e in enumerate(self.host.collective.gather_objects(mine)) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            rank, reason = failed[0]
+            raise RuntimeError(f"unison.fastai: {what} failed on rank {rank}: {reason}")
+        return result
 
     def shard(self, dl: Any, pad: bool) -> Any:
         """This rank's share of `dl` (kept across epochs); `dl` itself on one process."""
@@ -172,6 +220,8 @@ class UnisonBridge(fastai_core.Callback):
                 "exact across processes; train at the global batch instead (bs divided by num_distrib())"
             )
         self.sweep = "LRFinder" in names
+        if self.world_size > 1 and self.sweep:
+            self.start_sweep()
         if learn.opt is not self.opt_at_setup and self.world_size > 1:
             raise ValueError(
                 "unison.fastai: the optimizer was made again inside distrib_ctx (fit(reset_opt=True) or "
@@ -186,22 +236,63 @@ class UnisonBridge(fastai_core.Callback):
         # (what check-exact's probe reads of the training loader: the per-process batch)
         host.dls = SimpleNamespace(train=SimpleNamespace(batch_size=learn.dls.train.bs), valid=None)
         host.lr_finder = True if self.sweep else None  # (the check-exact probe leaves a sweep alone)
+        if self.world_size > 1 and host.collective.rank != 0:
+            self.quiet_depth += 1  # (a get_preds inside a fit is a fit inside a fit)
+            if self.quiet_depth == 1:
+                self.quiet.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))  # noqa: SIM115
         if learn.lock.locked():
             return  # validate / get_preds: fastai's own before_fit, no fit for the engine's callbacks
         if self.world_size > 1:
             self.check_loaders_agree()
             if host.collective.rank != 0:
                 self.saved_logger, learn.logger = learn.logger, noop
+                for cb in learn.cbs:  # one writer for the logs (fastai resets `run` after the fit)
+                    if type(cb).__name__ in _RANK0_LOGGERS:
+                        cb.run = False
+            elif not self.sweep and not self.batch_told:
+                self.batch_told = True
+                bs = learn.dls.train.bs
+                world = self.world_size
+                print(f"unison.fastai: global batch {bs * world} = {world} processes x {bs}")
+        if host.collective.rank == 0:
+            for key, cb in user_callbacks(learn):
+                if type(cb).__name__ == "CSVLogger":
+                    file = Path(learn.path) / cb.fname
+                    self.csv_starts[key] = file.stat().st_size if cb.append and file.exists() else 0
         self.fire("before_fit")
+
+    def start_sweep(self) -> None:
+        """`lr_find` on W processes sweeps as one process does: as many steps of the global batch
+        (fastai counts its epochs from this rank's loader length), and every rank starts again from
+        the same weights afterwards (fastai restores them from a file only rank 0 wrote)."""
+        learn = self.learn
+        finder = next(cb for cb in learn.cbs if type(cb).__name__ == "LRFinder")
+        learn.n_epoch = finder.num_it // len(self.shard(learn.dls.train, pad=False)) + 1
+        self.before_sweep = (
+            copy.deepcopy(self.host.raw_model.state_dict()),
+            copy.deepcopy(learn.opt.state_dict()),
+        )
 
     def end_fit(self) -> None:
         self.skip_to, self.iter_offset = None, 0
+        self.resume_callbacks()
         if self.saved_logger is not None:
             self.learn.logger, self.saved_logger = self.saved_logger, None
         try:
             self.fire("after_fit")
         finally:
             self.sweep = False
+            if self.before_sweep is not None:
+                model, opt = self.before_sweep
+                self.before_sweep = None
+                self.host.raw_model.load_state_dict(model)
+                self.learn.opt.load_state_dict(opt)
+
+    def leave_fit(self) -> None:
+        """After any fit, validate or get_preds: rank > 0 prints again once the outermost ends."""
+        self.quiet_depth = max(0, self.quiet_depth - 1)
+        if self.quiet_depth == 0:
+            self.quiet.close()
 
     def check_loaders_agree(self) -> None:
         """Every rank must deal the same order: same items count, batch size and fastai generator
@@ -228,6 +319,13 @@ class UnisonBridge(fastai_core.Callback):
         if self.resume_pending and not self.sweep and not learn.lock.locked():
             self.resume_pending = False
             self.restore_checkpoint()
+        if self.skipping and not self.paused:
+            # The finished epochs pass without the user's callbacks (their state is the checkpoint's)
+            self.paused = [cb for _, cb in user_callbacks(learn) if cb.run]
+            for cb in self.paused:
+                cb.run = False
+        elif not self.skipping:
+            self.resume_callbacks()
         self.host.epoch = learn.epoch
         if not learn.lock.locked():
             self.fire("before_epoch")
@@ -262,6 +360,18 @@ class UnisonBridge(fastai_core.Callback):
     def skipping(self) -> bool:
         return self.skip_to is not None and self.learn.epoch < self.skip_to[0]
 
+    def resume_callbacks(self) -> None:
+        for cb in self.paused:
+            cb.run = True
+        self.paused = []
+
+    def after_cancel_epoch(self) -> None:
+        # A finished epoch passed by a resumed fit: fastai's Recorder logs and keeps its row again,
+        # so the table, `recorder.values` and the trackers that read them are the uninterrupted run's.
+        rows = self.host.recorder.rows
+        if self.skipping and self.learn.epoch < len(rows):
+            self.learn.recorder.log = L([self.learn.epoch, *rows[self.learn.epoch]])
+
     def restore_checkpoint(self) -> None:
         """The newest checkpoint, if any: model, optimizer, RNG states, fastai's data order, and the
         epoch and batch this fit continues at."""
@@ -270,11 +380,24 @@ class UnisonBridge(fastai_core.Callback):
         if ckpt is None or not ckpt.restore_latest():
             return
         self.skip_to = (host.start_epoch, host.start_iter)
+        self.rewind_csv_logs()
         loaded = self.order_state.loaded
         if loaded is not None and host.start_iter:
             self.pending_order = loaded["before_epoch"]
         elif loaded is not None:
             self.learn.dls.train.rng.setstate(as_rng_state(loaded["now"]))
+
+    def rewind_csv_logs(self) -> None:
+        """Each CSVLogger's file cut back to where the interrupted fit began it, its header written
+        again: the rows of the finished epochs, logged again as they pass, make it the uninterrupted
+        run's file (rank 0, the one writer)."""
+        if self.host.collective.rank != 0:
+            return
+        for key, cb in user_callbacks(self.learn):
+            file = getattr(cb, "file", None)
+            if key in self.csv_starts and file is not None and not file.closed:
+                file.truncate(self.csv_starts[key])
+                file.write(",".join(self.learn.recorder.metric_names) + "\n")
 
     def before_validate(self) -> None:
         learn, host = self.learn, self.host
@@ -314,6 +437,8 @@ class UnisonBridge(fastai_core.Callback):
         # (and get_preds) then see the global batch, the same on every rank.
         learn.pred = map_tensors(lambda t: gather(take_rows(t, real)), learn.pred)
         learn.yb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), y) for y in learn.yb)
+        if getattr(getattr(learn, "gather_preds", None), "with_input", False):  # get_preds(with_input=True)
+            learn.xb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), x) for x in learn.xb)
 
     def after_loss(self) -> None:
         learn, host = self.learn, self.host
@@ -366,6 +491,20 @@ class UnisonBridge(fastai_core.Callback):
     def after_step(self) -> None:
         self.fire("after_step")
 
+    @contextlib.contextmanager
+    def plain_learner(self) -> Iterator[None]:
+        """The learner as one fastai process holds it, for `learn.export` to pickle: a copy of the
+        model unwrapped with plain BatchNorm, and without the bridge's callbacks."""
+        learn = self.learn
+        model, cbs = learn.model, list(learn.cbs)
+        learn.model = revert_sync_batchnorm(copy.deepcopy(self.host.raw_model))
+        learn.remove_cbs([self, self.after_recorder])
+        try:
+            yield
+        finally:
+            learn.model = model
+            learn.cbs = L(cbs)
+
     # ---- leaving ------------------------------------------------------------------------
     def restore(self) -> None:
         """The learner's model as it was (unwrapped, BatchNorm plain) and the process group left."""
@@ -373,10 +512,27 @@ class UnisonBridge(fastai_core.Callback):
         # is alive and the group itself is destroyed after gloo's threads settle (destroy_group).
         # Dropped after that, it freed the group with it, unsettled: DDP's teardown deadlock
         # (pytorch/pytorch#56297), a rank hung in a loaded full run.
+        self.quiet.close()
+        self.quiet_depth = 0
         self.learn.model = self.host.raw_model
         engine.detach_strategy(self.host)
         self.learn.model = self.host.model
         self.shards.clear()
+
+
+#: fastai's callbacks that write logs or files: rank 0's alone run (one writer, each row once).
+_RANK0_LOGGERS = frozenset(
+    {
+        "CSVLogger",
+        "TensorBoardCallback",
+        "TensorBoardProjectorCallback",
+        "WandbCallback",
+        "CometCallback",
+        "NeptuneCallback",
+        "AzureMLCallback",
+        "ShowGraphCallback",
+    }
+)
 
 
 def _digest(state: Any) -> str:

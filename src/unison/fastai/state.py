@@ -11,11 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 from fastcore.foundation import L
 
 import unison.events as unison_events
 
-__all__ = ["DataOrderState", "PlainStateOptimizer", "RecorderView", "as_rng_state", "rng_list"]
+__all__ = [
+    "CallbackStates",
+    "DataOrderState",
+    "PlainStateOptimizer",
+    "RecorderView",
+    "as_rng_state",
+    "rng_list",
+]
 
 
 class RecorderView:
@@ -25,6 +33,7 @@ class RecorderView:
     def __init__(self, learn: Any) -> None:
         self.learn = learn
         self.losses: list[float] = []
+        self.rows: list[list[Any]] = []  # fastai's rows of the epochs a checkpoint had finished
 
     @property
     def values(self) -> list[Any]:
@@ -35,12 +44,21 @@ class RecorderView:
     def metric_names(self) -> list[str]:
         return list(self.learn.recorder.metric_names)
 
-    # What a checkpoint keeps of it: the step losses (fastai's own rows are not restored).
+    # What a checkpoint keeps of it: the step losses and fastai's per-epoch rows (a resumed fit
+    # shows the finished epochs' rows again, and fastai's trackers read them).
+    # and the smoothed training loss (fastai's train_loss column), which runs on across epochs.
     def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses)}
+        rows = [[_plain_value(v) for v in row] for row in self.values]
+        smooth = getattr(self.learn.recorder, "smooth_loss", None)
+        kept = None if smooth is None else [int(smooth.count), _plain_value(smooth.val)]
+        return {"losses": list(self.losses), "rows": rows, "smooth_loss": kept}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = list(state["losses"])
+        self.rows = [list(row) for row in state.get("rows", [])]
+        smooth, kept = getattr(self.learn.recorder, "smooth_loss", None), state.get("smooth_loss")
+        if smooth is not None and kept is not None:
+            smooth.count, smooth.val = kept[0], torch.tensor(kept[1], dtype=torch.as_tensor(smooth.val).dtype)
 
     def partial_state(self) -> None:
         return None
@@ -65,6 +83,82 @@ class PlainStateOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.opt, name)
+
+
+class CallbackStates:
+    """What a checkpoint keeps of a fastai `Learner`'s own callbacks (a checkpoint component): each
+    callback's `state_dict()` where it has one, else its plain attributes (numbers, strings, flags:
+    a tracker's `best` and `wait`), and where each CSVLogger's file began. Loaded after fastai's
+    `before_fit`, so a resumed fit's trackers go on from where the interrupted one left them."""
+
+    def __init__(self, learn: Any, csv_starts: dict[str, int]) -> None:
+        self.learn = learn
+        self.csv_starts = csv_starts  # (the bridge's: CSVLogger key -> its file's size when the fit began)
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {key: _callback_state(cb) for key, cb in user_callbacks(self.learn)}
+        return {"callbacks": states, "csv_starts": dict(self.csv_starts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = dict(user_callbacks(self.learn))
+        for key, saved in state["callbacks"].items():
+            cb = mine.get(key)
+            if cb is None:
+                continue
+            if _own_state(cb):
+                cb.load_state_dict(saved)
+            else:
+                for name, value in saved.items():
+                    setattr(cb, name, value)
+        self.csv_starts.clear()
+        self.csv_starts.update(state["csv_starts"])
+
+
+#: fastai's callbacks that run the loop itself (never paused, never saved as a user's state).
+LOOP_CALLBACKS = ("TrainEvalCallback", "Recorder", "ProgressCallback", "ParamScheduler")
+
+
+def user_callbacks(learn: Any) -> list[tuple[str, Any]]:
+    """The learner's callbacks other than fastai's loop and unison's own, each with a stable key
+    (class name and its index among its kind)."""
+    seen: dict[str, int] = {}
+    out = []
+    for cb in learn.cbs:
+        name = type(cb).__name__
+        if name in LOOP_CALLBACKS or type(cb).__module__.startswith("unison."):
+            continue
+        out.append((f"{name}:{seen.get(name, 0)}", cb))
+        seen[name] = seen.get(name, 0) + 1
+    return out
+
+
+def _own_state(cb: Any) -> bool:
+    """Whether `cb`'s class defines `state_dict`/`load_state_dict` (a fastai callback reads any
+    other attribute from its learner, and so from the model: that one is not the callback's)."""
+    return callable(getattr(type(cb), "state_dict", None)) and callable(
+        getattr(type(cb), "load_state_dict", None)
+    )
+
+
+def _callback_state(cb: Any) -> dict[str, Any]:
+    if _own_state(cb):
+        return cb.state_dict()
+    state = {}
+    for name, value in vars(cb).items():
+        value = _plain_value(value)
+        plain = isinstance(value, (bool, int, float, str))
+        if plain and name not in ("run", "learn") and not name.startswith("_"):
+            state[name] = value
+    return state
+
+
+def _plain_value(value: Any) -> Any:
+    """A NumPy scalar or a one-element tensor as a Python number; anything else as it is."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
 
 
 def _plain(obj: Any) -> Any:

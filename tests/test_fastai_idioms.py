@@ -1,0 +1,107 @@
+"""fastai's tutorial idioms on W processes against fastai alone on one (tests/scripts/fastai_idioms.py:
+the stock distributed script with its import changed to `from unison.fastai import *`): lr_find's
+suggestion, fit_one_cycle at it, SaveModelCallback's best model loaded at the end on every rank,
+EarlyStopping, ReduceLROnPlateau and CSVLogger; and the same script killed mid-run and resumed."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastai.tabular.all", reason="fastai is not installed (make install puts it in)")
+
+from tests.hangs import run_or_report  # noqa: E402
+
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(480)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "fastai_idioms.py"
+TOL = 1e-9  # float64 rounding, through lr_find's sweep and four epochs of Adam
+
+
+def run(args: list[str], cwd: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_or_report(args, 300, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def launch(nproc: int, out: Path, *args: str, launch_args: tuple[str, ...] = ()):
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", str(nproc), *launch_args, str(SCRIPT)]
+    return run([*cmd, "--out", str(out), *args], cwd=out.parent)
+
+
+def rank_files(out: Path, world: int) -> list[dict]:
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
+
+
+def csv_rows(out: Path) -> list[list[str]]:
+    """The CSV log's rows without the time column (wall time differs from run to run)."""
+    return [line.split(",")[:-1] for line in Path(f"{out}.csv").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fastai_alone(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("fastai-alone") / "one"
+    run([sys.executable, str(SCRIPT), "--plain", "--out", str(out)], cwd=out.parent)
+    return out, rank_files(out, 1)[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_stock_script_with_lr_find_and_trackers_equals_fastai_alone(
+    tmp_path: Path, fastai_alone: tuple[Path, dict], world: int
+) -> None:
+    """Every rank ends on one model (SaveModelCallback's best, loaded once rank 0 has written it
+    whole), that of fastai alone; lr_find suggests the same rate and leaves every rank where it
+    began; CSVLogger's file is written once; fastai's messages are printed once."""
+    one_out, one = fastai_alone
+    out = tmp_path / "many"
+    launch(world, out)
+    ranks = rank_files(out, world)
+    for other in ranks[1:]:
+        assert max_diff(ranks[0], other) == 0.0  # bit-equal: no rank read a torn or older best.pth
+    assert max_diff(one, ranks[0]) < TOL
+    assert [r["suggestion"] for r in ranks] == [one["suggestion"]] * world
+    for mine, theirs in zip(one["values"], ranks[0]["values"], strict=True):
+        assert max(abs(x - y) for x, y in zip(mine, theirs, strict=True)) < TOL
+    assert max(abs(x - y) for x, y in zip(one["final"], ranks[0]["final"], strict=True)) < TOL
+    # the best model is epoch 2's (min_delta 0.1), not the last epoch's: the final validation says so
+    assert abs(ranks[0]["final"][0] - ranks[0]["values"][2][1]) < TOL
+    assert len(csv_rows(out)) == len(csv_rows(one_out)) == 1 + 4  # one header, one row per epoch
+    assert csv_rows(out)[0] == csv_rows(one_out)[0]
+    assert one["printed"].count("Better model found") == ranks[0]["printed"].count("Better model found") == 2
+    assert all("Better model found" not in r["printed"] for r in ranks[1:])
+    assert f"global batch 60 = {world} processes x {60 // world}" in ranks[0]["printed"]
+
+
+def test_a_rank_killed_past_epoch_0_resumes_with_its_trackers_to_fastai_alone(
+    tmp_path: Path, fastai_alone: tuple[Path, dict]
+) -> None:
+    """Rank 1 SIGKILLed at epoch 1, step 4 (a checkpoint every 3 steps) under --max-restarts 1: the
+    job restarts and resumes; the finished epoch passes with its row logged again, the trackers go on
+    with the checkpoint's state (SaveModelCallback's best of epoch 0 keeps epoch 1 from counting as
+    better), and the job ends on fastai alone's weights with the same CSV file and messages."""
+    one_out, one = fastai_alone
+    out = tmp_path / "killed"
+    proc = launch(
+        2, out, "--every", "3", "--kill-rank", "1", "--at", "4", launch_args=("--max-restarts", "1")
+    )
+    assert "restarting the workers" in proc.stderr  # it did die and come back
+    ranks = rank_files(out, 2)
+    assert max_diff(ranks[0], ranks[1]) == 0.0
+    assert max_diff(one, ranks[0]) < TOL
+    for mine, theirs in zip(one["values"], ranks[0]["values"], strict=True):  # train_loss too (smoothed)
+        assert max(abs(x - y) for x, y in zip(mine, theirs, strict=True)) < TOL
+    rows, expected = csv_rows(out), csv_rows(one_out)
+    assert len(rows) == len(expected) and rows[0] == expected[0]
+    for mine, theirs in zip(expected[1:], rows[1:], strict=True):
+        assert max(abs(float(x) - float(y)) for x, y in zip(mine, theirs, strict=True)) < TOL
+    # the resumed attempt finds epoch 2 better, as the uninterrupted run did; epoch 1 is not
+    assert "Better model found at epoch 2" in ranks[0]["printed"]
+    assert "Better model found at epoch 1" not in ranks[0]["printed"]

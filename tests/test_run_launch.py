@@ -25,20 +25,24 @@ SCRIPT = ROOT / "tests" / "fault_scripts" / "own_loop.py"
 TOL = 1e-9  # float64 rounding, amplified by AdamW (see tests/test_run.py)
 
 
-def plain_loop() -> dict[str, torch.Tensor]:
-    """What tests/fault_scripts/own_loop.py trains, in one process without unison (global batch 16)."""
+def plain_loop(sched: bool = False) -> dict[str, torch.Tensor]:
+    """What tests/fault_scripts/own_loop.py trains, in one process without unison (global batch 16);
+    `sched`: with its OneCycleLR (`--sched`), stepped after each step."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 6, generator=g, dtype=torch.float64)
     y = (x[:, 0] > 0).long()
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=12) if sched else None
     for _ in range(2):
         for b in range(math.ceil(96 / 16)):
             xb, yb = x[b * 16 : (b + 1) * 16], y[b * 16 : (b + 1) * 16]
             F.cross_entropy(model(xb), yb).backward()
             opt.step()
             opt.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
     return model.state_dict()
 
 
@@ -50,17 +54,19 @@ def launch(
     return run_or_report(cmd, timeout)
 
 
-def final_diff(tmp_path: Path) -> float:
+def final_diff(tmp_path: Path, sched: bool = False) -> float:
     got = torch.load(tmp_path / "final.pt", weights_only=True)
-    expected = plain_loop()
+    expected = plain_loop(sched)
     return max(float((got[k] - expected[k]).abs().max()) for k in expected)
 
 
-def test_a_sigkilled_rank_resumes_mid_epoch_to_the_plain_loops_weights(tmp_path: Path) -> None:
-    proc = launch(tmp_path, ("--max-restarts", "1"), "--bs", "8", "--kill-rank", "1", "--at", "4")
+@pytest.mark.parametrize("sched", [False, True], ids=["plain", "one-cycle-scheduler"])
+def test_a_sigkilled_rank_resumes_mid_epoch_to_the_plain_loops_weights(tmp_path: Path, sched: bool) -> None:
+    extra = ("--sched",) if sched else ()
+    proc = launch(tmp_path, ("--max-restarts", "1"), "--bs", "8", "--kill-rank", "1", "--at", "4", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restart" in proc.stderr.lower()  # it did die and come back
-    assert final_diff(tmp_path) < TOL
+    assert final_diff(tmp_path, sched) < TOL
 
 
 def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weights(tmp_path: Path) -> None:

@@ -86,13 +86,15 @@ def test_run_shard_true_killed_mid_epoch_resumes_from_dcp_to_the_plain_loops_wei
 
 # ---- another number of processes ----------------------------------------------------------------
 @pytest.mark.launch
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_at_another_w_to_the_plain_loops_weights(tmp_path: Path, before, after) -> None:
+@pytest.mark.parametrize("before, after, sched", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_a_checkpoint_resumes_at_another_w_to_the_plain_loops_weights(
+    tmp_path: Path, before, after, sched
+) -> None:
     """Killed mid-epoch (step 4 of 6) on `before` processes, resumed on `after` at the same global batch
-    of 16 (per process 16 / W): the plain one-process loop's weights."""
+    of 16 (per process 16 / W): the plain one-process loop's weights (with its OneCycleLR: `sched`)."""
 
     def command(nproc: int, *extra: str) -> list[str]:
-        where = ["--dir", str(tmp_path), "--bs", str(16 // nproc), *extra]
+        where = ["--dir", str(tmp_path), "--bs", str(16 // nproc), *extra, *(["--sched"] if sched else [])]
         if nproc == 1:
             return [sys.executable, str(SCRIPT), *where]
         return unison_launch(nproc, str(SCRIPT), *where)
@@ -103,7 +105,7 @@ def test_a_checkpoint_resumes_at_another_w_to_the_plain_loops_weights(tmp_path: 
     resumed = run(command(after))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "GlobalBatchChangedWarning" not in resumed.stderr  # the same global batch: no warning
-    assert final_diff(tmp_path) < TOL
+    assert final_diff(tmp_path, sched) < TOL
 
 
 # ---- where a process stands before setup --------------------------------------------------------

@@ -117,3 +117,31 @@ def test_a_resumed_one_cycle_lr_scheduler_callback_ends_on_the_uninterrupted_wei
     expected, got = weights(whole), weights(resumed)
     assert all(torch.equal(got[k], expected[k]) for k in expected), max_diff(got, expected)
     assert resumed.opt.param_groups[0]["lr"] == whole.opt.param_groups[0]["lr"]
+
+
+@pytest.mark.launch
+def test_a_sigkilled_rank_under_max_restarts_resumes_lr_scheduler_callback_bit_equal(tmp_path):
+    """Issue 48.2 under the real launcher: rank 1 SIGKILLed at epoch 1 (step 6 of 8), restarted, resumed
+    from the checkpoint: the same weights as the uninterrupted run, bit for bit (`fit_one_cycle`'s
+    own schedule does so too)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "fault_scripts" / "resumable.py"
+
+    def launch(folder, *extra):
+        cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", "--max-restarts", "1", str(script)]
+        proc = subprocess.run(
+            [*cmd, "--dir", str(folder), "--lr-scheduler", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc, sorted(line.split()[-1] for line in proc.stdout.splitlines() if "WEIGHTS" in line)
+
+    _, whole = launch(tmp_path / "whole")
+    proc, killed = launch(tmp_path / "killed", "--kill-rank", "1", "--at", "6")
+    assert "restart" in proc.stderr.lower()  # it did die and come back
+    assert len(whole) == 2 and whole[0] == whole[1] and killed == whole

@@ -5,10 +5,12 @@ unison launch --nproc 2 own_loop.py --dir D --wait-at 5        # then SIGTERM: e
 unison launch --nproc 2 own_loop.py --dir D --wait-at 5 --slow-after-signal 5   # rank 0 slow after it
 python own_loop.py --dir D --bs 16                               # the uninterrupted one-process run
 unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --shard --kill-rank 1 --at 5   # FSDP2, DCP
+unison launch --nproc 2 --max-restarts 1 own_loop.py --dir D --sched --kill-rank 1 --at 5   # + OneCycleLR
 
 Trains a BatchNorm MLP with AdamW in float64, sequential order, 2 epochs of 6 steps of a global
 batch of 16 (on W processes `--bs 16/W`), a checkpoint after every step, resumed with `resume=True`;
-rank 0 saves the final weights to D/final.pt.
+rank 0 saves the final weights to D/final.pt. `--sched`: a OneCycleLR given to `run.setup`, stepped
+after every batch (it steps at real optimizer steps).
 """
 
 import argparse
@@ -35,6 +37,7 @@ parser.add_argument(
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps forever at --at")
 parser.add_argument("--at", type=int, default=5, help="the training step (counted over the run)")
 parser.add_argument("--shard", action="store_true", help="Run(shard=True): FSDP2, DCP checkpoints")
+parser.add_argument("--sched", action="store_true", help="a OneCycleLR over the 12 steps, given to run.setup")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
@@ -66,7 +69,11 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 original = model  # (sharded, it gets the whole trained weights back when the run closes)
 
 with Run(path=args.dir, shard=args.shard) as run:
-    model, opt = run.setup(model, opt)
+    if args.sched:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=12)
+        model, opt, sched = run.setup(model, opt, sched)
+    else:
+        model, opt = run.setup(model, opt)
     train = run.loader(DataLoader(TensorDataset(x, y), batch_size=args.bs))
     run.checkpoint(every=1)
     step = 0
@@ -77,6 +84,8 @@ with Run(path=args.dir, shard=args.shard) as run:
             run.backward(loss)
             opt.step()
             opt.zero_grad()
+            if args.sched:
+                sched.step()
             step += 1
             if step == args.at and first_attempt and run.rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)

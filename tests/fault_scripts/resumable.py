@@ -2,6 +2,8 @@
 
 unison launch --nproc 2 --max-restarts 1 resumable.py --dir D --kill-rank 1 --at 5
 unison launch --nproc 2 --max-restarts 1 resumable.py --dir D --torn-rank 1 --torn '{"mess' --at 5
+unison launch --nproc 2 --max-restarts 1 resumable.py --dir D --lr-scheduler --kill-rank 1 --at 11
+(`--lr-scheduler`: torch's OneCycleLR through LRSchedulerCallback instead of fit_one_cycle)
 """
 
 import argparse
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
+from unison import Callback, Checkpoint, DataLoaders, Learner, LRSchedulerCallback, set_seed
 from unison.distributed import rank_distrib
 
 parser = argparse.ArgumentParser()
@@ -27,6 +29,7 @@ parser.add_argument("--exit-rank", type=int, default=-1, help="this rank's scrip
 parser.add_argument("--torn-rank", type=int, default=-1, help="killed while writing its error file")
 parser.add_argument("--torn", default="", help="...what it had written of it when killed (empty: nothing)")
 parser.add_argument("--at", type=int, default=5, help="...at this training step (counted over the run)")
+parser.add_argument("--lr-scheduler", action="store_true", help="LRSchedulerCallback(OneCycleLR)")
 args = parser.parse_args()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
@@ -70,6 +73,10 @@ dls = DataLoaders(
 model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
 learn = Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=args.dir, cbs=[Checkpoint(every=1), Fault()])
 with learn.distrib_ctx():
-    learn.fit_one_cycle(2, resume=True)
+    if args.lr_scheduler:  # 2 epochs of 4 steps of a global batch of 16
+        one_cycle = lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=8)  # noqa: E731
+        learn.fit(2, cbs=[LRSchedulerCallback(one_cycle)], resume=True)
+    else:
+        learn.fit_one_cycle(2, resume=True)
 digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in learn.raw_model.state_dict().values()))
 print(f"WEIGHTS rank{rank_distrib()} {digest.hexdigest()}", flush=True)

@@ -1,9 +1,11 @@
 """unison: exact, fault-tolerant data-parallel training for PyTorch.
 
->>> from unison import Learner, DataLoaders, accuracy
->>> learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(), metrics=[accuracy])
->>> with learn.distrib_ctx():
-...     learn.fit_one_cycle(3)
+For example:
+
+    from unison import Learner, DataLoaders, accuracy
+    learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(), metrics=[accuracy])
+    with learn.distrib_ctx():
+        learn.fit_one_cycle(3)
 """
 
 from typing import TYPE_CHECKING

@@ -83,8 +83,9 @@ def env_report(environ: dict[str, str] | None = None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `unison` console script; returns the exit status.
 
-    >>> main(["env"])  # doctest: +SKIP
-    0
+    For example:
+
+        main(["env"])
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):

@@ -100,7 +100,7 @@ def attach_callback(host: Any, cb: Callback | type[Callback]) -> Callback:
     """Attach `cb` (an instance, or a class to instantiate with no arguments) to `host`'s callbacks,
     kept sorted by `order`: what `Learner.add_cb` and the own-loop `Run` do.
 
-    >>> cb = attach_callback(learn, EarlyStopping)                         # doctest: +SKIP
+        cb = attach_callback(learn, EarlyStopping)
     """
     if isinstance(cb, type):
         cb = cb()

@@ -70,11 +70,11 @@ from unison.predictions import collect_preds, predict_item
 class Learner:
     """Trains `model` on `dls` with `loss_func`, driving callbacks at each named event.
 
-    >>> learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(),
-    ...                 metrics=[accuracy], lr=1e-3)
-    >>> with learn.distrib_ctx():     # a no-op outside `unison launch`
-    ...     learn.fit_one_cycle(3)
-    >>> valid_loss, acc = learn.validate()
+        learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(),
+                        metrics=[accuracy], lr=1e-3)
+        with learn.distrib_ctx():     # a no-op outside `unison launch`
+            learn.fit_one_cycle(3)
+        valid_loss, acc = learn.validate()
 
     `loss_func=None`: the model's own loss; `splitter` makes param groups; `call_model(model, xb)`:
     how inputs reach the model; `compile=True` (or `torch.compile` options). `steps_per_epoch` bounds
@@ -175,7 +175,7 @@ class Learner:
         ratios (a float), spread geometrically (`slice(lo, hi)`), or one per group (a list).
         `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote.
 
-        >>> learn.fit(3, lr=1e-3)
+            learn.fit(3, lr=1e-3)
         """
         check_fit_args(self, n_epoch, lr, cbs)
         with self.added_cbs(cbs), handling(self):  # preemption signals, handled while fit runs
@@ -204,7 +204,7 @@ class Learner:
         """`fit` with the one-cycle policy: LR warms up to `lr_max` then anneals; momentum mirrors it.
         Each param group follows its own cycle: `lr_max` as in `fit(lr=...)` (`slice(1e-5, 1e-3)`).
 
-        >>> learn.fit_one_cycle(5, lr_max=3e-3)
+            learn.fit_one_cycle(5, lr_max=3e-3)
         """
         if lr_max is not None:
             check_lr(lr_max)
@@ -314,8 +314,8 @@ class Learner:
         `loss` becomes None); targets are None for an unlabelled loader; variable-length outputs are
         padded with `pad_value`. `with_loss=True`: `(preds, targets, losses)`, `reduction="none"`'s.
 
-        >>> logits, labels = learn.get_preds()
-        >>> out, _ = hf_learn.get_preds(); out.logits.shape     # doctest: +SKIP
+            logits, labels = learn.get_preds()
+            out, _ = hf_learn.get_preds(); out.logits.shape
         """
         return collect_preds(self, lambda: self._do_epoch_validate(dl), with_loss, pad_value)
 
@@ -323,8 +323,8 @@ class Learner:
         """The model's output for one dataset item (collated as the loaders do), or a small batch
         (`batched=True`); on this process only, in eval mode, without gradients.
 
-        >>> learn.predict(valid_ds[0])           # one item: no batch dimension
-        >>> learn.predict(xb, batched=True)      # a batch as a loader yields it
+            learn.predict(valid_ds[0])           # one item: no batch dimension
+            learn.predict(xb, batched=True)      # a batch as a loader yields it
         """
         loader = self.dls.valid if self.dls.valid is not None else self.dls.train
         return predict_item(self.raw_model, loader.collate_fn, item, batched, self.n_inp, self.call_model)
@@ -371,9 +371,7 @@ class Learner:
 
     def save(self, name: str | Path, with_opt: bool = True) -> Path:
         """Write model (and optimizer) state to `path/model_dir/name.pth` atomically; rank 0 writes.
-
-        >>> learn.save("stage1")
-        PosixPath('models/stage1.pth')
+        `learn.save("stage1")` writes `models/stage1.pth` and returns that path.
         """
         return learner_files.save(self, name, with_opt)
 
@@ -420,7 +418,7 @@ class Learner:
         the strategy `unison.distributed.strategy.ParallelConfig` makes of the arguments: DDP, FSDP2
         (`shard=True`: `ddp_kwargs` are `ShardedTrainer`'s), torchft (`fault_tolerant=True`).
 
-        >>> learn.to_distributed(local_rank())   # a script that made its group; prefer distrib_ctx
+            learn.to_distributed(local_rank())   # a script that made its group; prefer distrib_ctx
         """
         engine.attach_strategy(
             self, ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)
@@ -437,8 +435,8 @@ class Learner:
         """`to_distributed(*args, **kwargs)` for the duration of a `with` block; a plain run outside a
         launch. A collective that failed because another rank stopped raises `RankStalledError` naming it.
 
-        >>> with learn.distrib_ctx():          # or distrib_ctx(shard=True): FSDP2
-        ...     learn.fit(3)
+            with learn.distrib_ctx():          # or distrib_ctx(shard=True): FSDP2
+                learn.fit(3)
         """
         self.to_distributed(*args, **kwargs)
         try:

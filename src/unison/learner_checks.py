@@ -2,7 +2,7 @@
 wrong kind, a one-cycle schedule over a stream of unknown length, a batch on another device than
 the model, a model on the meta device.
 
->>> check_learner_args(dls, model, nn.CrossEntropyLoss(), torch.optim.AdamW, 1e-3, None)  # doctest: +SKIP
+    check_learner_args(dls, model, nn.CrossEntropyLoss(), torch.optim.AdamW, 1e-3, None)
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ gradient-accumulation micro-step, so W processes train exactly like one on the w
 global batch, and validation reports `sum / count` over the whole set. A plain mean
 loss is read as `SummedLoss(mean * batch_size, batch_size)`.
 
->>> loss_func = TokenCrossEntropy(shift=True)   # a causal LM's next-token loss
->>> Learner(dls, gpt2, loss_func)                # doctest: +SKIP
+    loss_func = TokenCrossEntropy(shift=True)   # a causal LM's next-token loss
+    Learner(dls, gpt2, loss_func)
 
 With `loss_func=None` the loss is the model's own (`out.loss` or `out["loss"]`); for a
 dict batch with Hugging Face `labels` it is made exact the same way, the count read from
@@ -175,8 +175,9 @@ def count_by_rule(rule: str | None, labels: Tensor) -> int:
 def own_loss_count(logits: Any, labels: Tensor, loss: Tensor) -> int:
     """How many terms a model's own mean `loss` averaged (see `own_loss_rule`).
 
-    >>> own_loss_count(torch.randn(3, 2), torch.tensor([1, 0, -100]), torch.tensor(0.9))  # doctest: +SKIP
-    2
+    For example:
+
+        own_loss_count(torch.randn(3, 2), torch.tensor([1, 0, -100]), torch.tensor(0.9))
     """
     return count_by_rule(own_loss_rule(logits, labels, loss), labels)
 

@@ -152,7 +152,9 @@ class WeightedMean(Metric):
 class AvgMetric(WeightedMean):
     """Mean over samples of `func(pred, *targets)`, which returns the mean over a batch.
 
-    >>> learn = Learner(dls, model, loss_func, metrics=[AvgMetric(accuracy)])
+    For example:
+
+        learn = Learner(dls, model, loss_func, metrics=[AvgMetric(accuracy)])
     """
 
     def __init__(self, func: Callable[..., Tensor | float], name: str | None = None):
@@ -207,8 +209,8 @@ class TorchMetric(Metric):
     """A `torchmetrics.Metric` inside the learner (a `MetricCollection` gives one each): updated on real items
     only, synchronised over the learner's group with torchmetrics' own `sync`, then computed.
 
-    >>> from torchmetrics.classification import MulticlassF1Score
-    >>> learn = Learner(dls, model, loss_func, metrics=[MulticlassF1Score(3, average="macro")])
+        from torchmetrics.classification import MulticlassF1Score
+        learn = Learner(dls, model, loss_func, metrics=[MulticlassF1Score(3, average="macro")])
     """
 
     def __init__(

@@ -100,8 +100,7 @@ def note_gradient_sizes(learn: Any, ratios: dict[str, float]) -> None:
     check-exact` names it as the likely cause of a difference). Every rank calls it (FSDP2
     shards are gathered).
 
-    >>> ratios = {}; note_gradient_sizes(learn, ratios); ratios["0.bias"]
-    3.1e-17
+        ratios = {}; note_gradient_sizes(learn, ratios); ratios["0.bias"]
     """
     sizes: dict[str, float] = {}
     for name, param in learn.raw_model.named_parameters():
@@ -145,6 +144,7 @@ class ExactnessProbe(Callback):
             return
         _claimed[0] = True
         self.steps_done, self.stop = 0, False
+        self.loss_float64 = True  # False once a training loss comes in a lower precision (a float32 loss)
         self.loss_start = len(learn.recorder.losses)
         self.values_start = len(learn.recorder.values)
         self.initial = fingerprint(full_state(learn))
@@ -160,6 +160,11 @@ class ExactnessProbe(Callback):
         learn.xb, learn.yb = to_float64(learn.xb), to_float64(learn.yb)
         if hasattr(learn, "_padded_xb"):  # what an empty validation share runs forward
             learn._padded_xb = to_float64(learn._padded_xb)
+
+    def after_loss(self) -> None:
+        loss = self.learn.loss
+        if self.active and self.learn.training and isinstance(loss, Tensor) and loss.is_floating_point():
+            self.loss_float64 = self.loss_float64 and loss.dtype == torch.float64
 
     def before_step(self) -> None:
         if self.active and self.learn.training:
@@ -201,6 +206,8 @@ class ExactnessProbe(Callback):
             "format": PROBE_FORMAT,
             "world_size": int(learn.collective.world_size),
             "batch_size": getattr(train, "batch_size", None),
+            "accumulate": int(getattr(learn, "accumulate", 1)),  # the own loop's Run(accumulate=k)
+            "loss_float64": self.loss_float64,
             "steps": self.steps_done,
             "requested_steps": self.steps,
             "float64": self.float64,

@@ -16,8 +16,10 @@ from unison.callbacks.core import Callback
 class CSVLogger(Callback):
     """Append `epoch, train_loss, valid_loss, *metrics, time` to `path/fname` after every epoch.
 
-    >>> learn.fit(3, cbs=[CSVLogger("history.csv")])
-    >>> learn.csv_logger.read()[-1]["valid_loss"]     # doctest: +SKIP
+    For example:
+
+        learn.fit(3, cbs=[CSVLogger("history.csv")])
+        learn.csv_logger.read()[-1]["valid_loss"]
     """
 
     order = 60  # after the Recorder has this epoch's values
@@ -58,7 +60,7 @@ class TensorBoardLogger(Callback):
 
     Needs the `tensorboard` package (`pip install 'unison[tensorboard]'`).
 
-    >>> learn.fit(3, cbs=[TensorBoardLogger("runs/exp1")])
+        learn.fit(3, cbs=[TensorBoardLogger("runs/exp1")])
     """
 
     order = 60

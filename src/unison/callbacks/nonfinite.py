@@ -110,7 +110,7 @@ class NonFiniteCheck(Callback):
     The `Learner` adds one: `Learner(..., on_nonfinite="stop" | "skip" | "anomaly" | None)`.
     `skipped` lists the steps "skip" left out, as `(epoch, step, ranks)`.
 
-    >>> learn = Learner(dls, model, loss_func, on_nonfinite="skip")
+        learn = Learner(dls, model, loss_func, on_nonfinite="skip")
     """
 
     # before_step after MixedPrecision's unscale (-5) and GradientAccumulation's micro-step

@@ -27,7 +27,7 @@ class MixedPrecision(Callback):
       state goes into checkpoints. Asked on a machine without CUDA it is an error,
       never a silent no-op.
 
-    >>> learn = Learner(dls, model, loss_func, cbs=[MixedPrecision("bf16")])
+        learn = Learner(dls, model, loss_func, cbs=[MixedPrecision("bf16")])
     """
 
     order = -5  # unscale gradients in before_step ahead of GradientClip (order 0)

@@ -27,7 +27,7 @@ class ProgressCallback(Callback):
     `show=None` shows bars only when stderr is a terminal, or when the launcher's is (logs
     stay clean); `True` forces them, `False` hides them. Other ranks never show bars.
 
-    >>> learn = Learner(dls, model, loss_func, cbs=[])   # default: ProgressCallback(show=None)
+        learn = Learner(dls, model, loss_func, cbs=[])   # default: ProgressCallback(show=None)
     """
 
     order = 60

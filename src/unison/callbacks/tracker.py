@@ -74,7 +74,9 @@ class TrackerCallback(Callback):
 class EarlyStopping(TrackerCallback):
     """Stop fitting when `monitor` has not improved for `patience` epochs.
 
-    >>> learn.fit(50, cbs=[EarlyStopping(patience=3)])
+    For example:
+
+        learn.fit(50, cbs=[EarlyStopping(patience=3)])
     """
 
     def __init__(
@@ -119,7 +121,9 @@ class EarlyStopping(TrackerCallback):
 class SaveModelCallback(TrackerCallback):
     """Save the model whenever `monitor` improves (rank 0 writes), and load the best at the end.
 
-    >>> learn.fit(10, cbs=[SaveModelCallback(monitor="accuracy", fname="best")])
+    For example:
+
+        learn.fit(10, cbs=[SaveModelCallback(monitor="accuracy", fname="best")])
     """
 
     def __init__(

@@ -13,8 +13,8 @@ exact).
 Steps are logged at each epoch's end: the global batch's loss needs every rank's, and the
 recorder reduces them once per epoch, not once per step.
 
->>> learn.fit(3, cbs=[MLflowLogger(experiment="digits", config={"arch": "resnet18"})])
->>> learn.fit(3, cbs=[WandbLogger(project="digits"), Checkpoint(every=100)], resume=True)
+    learn.fit(3, cbs=[MLflowLogger(experiment="digits", config={"arch": "resnet18"})])
+    learn.fit(3, cbs=[WandbLogger(project="digits"), Checkpoint(every=100)], resume=True)
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class WandbLogger(TrackerLogger):
     `config` is logged once with what the learner knows (epochs, lr, batch size, world size, ...).
     The W&B run's id is kept in the checkpoint, so `fit(resume=True)` continues the same run.
 
-    >>> learn.fit(3, cbs=[WandbLogger(project="digits", config={"arch": "resnet18"})])
+        learn.fit(3, cbs=[WandbLogger(project="digits", config={"arch": "resnet18"})])
     """
 
     def __init__(
@@ -186,7 +186,7 @@ class MLflowLogger(TrackerLogger):
     missing) and `run_name` choose where; `config` is logged once as the run's parameters.
     The run's id is kept in the checkpoint, so `fit(resume=True)` continues the same run.
 
-    >>> learn.fit(3, cbs=[MLflowLogger(tracking_uri="file:///tmp/mlruns", experiment="digits")])
+        learn.fit(3, cbs=[MLflowLogger(tracking_uri="file:///tmp/mlruns", experiment="digits")])
     """
 
     def __init__(

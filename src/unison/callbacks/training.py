@@ -12,7 +12,7 @@ class GradientClip(Callback):
 
     Runs after DDP has averaged gradients, so every rank clips identically.
 
-    >>> learn.fit(3, cbs=[GradientClip(1.0)])
+        learn.fit(3, cbs=[GradientClip(1.0)])
     """
 
     order = 0
@@ -36,7 +36,7 @@ class GradientAccumulation(Callback):
     all-reduced once per step, not once per micro-batch. The last batches of an epoch
     always end in a step.
 
-    >>> learn.fit(3, cbs=[GradientAccumulation(4)])
+        learn.fit(3, cbs=[GradientAccumulation(4)])
     """
 
     order = -20  # decides before anything reads grad_sync or steps

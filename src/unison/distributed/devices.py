@@ -96,7 +96,9 @@ def place_training_state(
 ) -> None:
     """Move the model, the optimizer's state and the loss function's buffers to `device` together.
 
-    >>> place_training_state(learn.model, learn.opt, learn.loss_func, torch.device("cuda", 0))
+    For example:
+
+        place_training_state(learn.model, learn.opt, learn.loss_func, torch.device("cuda", 0))
     """
     model.to(device)
     if opt is not None:
@@ -111,7 +113,7 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> No
     torch's foreach steps refuse tensors on two devices. Scalar `step` counters stay on the CPU
     (torch keeps them there unless `capturable`).
 
-    >>> move_optimizer_state(learn.opt, torch.device("cuda", 0))
+        move_optimizer_state(learn.opt, torch.device("cuda", 0))
     """
     for state in opt.state.values():
         for key, value in state.items():
@@ -122,7 +124,9 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> No
 def move_loss_func(loss_func: Any, device: torch.device) -> None:
     """Move a loss module's buffers (`CrossEntropyLoss(weight=...)`, `pos_weight`) to `device`, in place.
 
-    >>> move_loss_func(nn.CrossEntropyLoss(weight=torch.ones(3)), torch.device("cuda", 0))
+    For example:
+
+        move_loss_func(nn.CrossEntropyLoss(weight=torch.ones(3)), torch.device("cuda", 0))
     """
     if isinstance(loss_func, nn.Module):
         loss_func.to(device)

@@ -164,8 +164,7 @@ def threads_for_spawned(nprocs: int) -> int:
     cores: its `nprocs` processes divide it (`--nproc 1` on 2 cores, 2 spawned: 1 each, not 2).
     Else the machine's cores are shared evenly (`threads_per_worker`).
 
-    >>> threads_for_spawned(2)   # under `unison launch --nproc 1` on 16 cores
-    8
+        threads_for_spawned(2)   # under `unison launch --nproc 1` on 16 cores
     """
     raw = os.environ.get("OMP_NUM_THREADS", "")
     if not (raw.isdigit() and int(raw) > 0):

@@ -10,7 +10,8 @@ from torch.distributed.fsdp import FSDPModule
 def is_sharded(model: nn.Module) -> bool:
     """True when `model` was sharded with `fully_shard` (its parameters are DTensor shards).
 
-    >>> is_sharded(torch.nn.Linear(2, 2))
-    False
+    For example:
+
+        is_sharded(torch.nn.Linear(2, 2))
     """
     return isinstance(model, FSDPModule)

@@ -99,8 +99,7 @@ def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend:
     process was not launched, or when a group already exists (whoever made it): then a
     `timeout` given here or by `unison launch --timeout` is applied to that group.
 
-    >>> setup_distrib()       # under `unison launch --nproc 2 script.py`
-    True
+        setup_distrib()       # under `unison launch --nproc 2 script.py`
     """
     global _created_here, _generation
     if group_active():
@@ -197,7 +196,7 @@ def destroy_group(group: dist.ProcessGroup | None = None) -> None:
     two deadlock (pytorch/pytorch#56297). A short sleep, which releases the GIL and the CPU,
     lets those threads finish first; every collective unison waited on has completed by now.
 
-    >>> destroy_group()  # the default group
+        destroy_group()  # the default group
     """
     if dist.get_backend(group) == "gloo":
         time.sleep(GLOO_SETTLE_S)
@@ -221,7 +220,7 @@ def rank0_first(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     If rank 0's call raises, the other ranks raise a clear error too instead of
     waiting. One process outside a launch just calls `func`.
 
-    >>> path = rank0_first(download_dataset, "digits")
+        path = rank0_first(download_dataset, "digits")
     """
     setup_distrib()  # rank0_first may run before distrib_ctx; the group stays for it to use
     if not group_active() or dist.get_world_size() == 1:

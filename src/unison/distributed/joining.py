@@ -6,8 +6,8 @@ do alike when they enter and while they train.
   every rank is found holding the same data; `join_collective` points the learner at it.
 - `RankMonitor`: a barrier at each epoch that names who misses it, and the watchdog's heartbeats.
 
->>> collective = make_collective(learn, training_device(learn, None))   # doctest: +SKIP
->>> join_collective(learn, collective)                                  # doctest: +SKIP
+    collective = make_collective(learn, training_device(learn, None))
+    join_collective(learn, collective)
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class RankMonitor:
     the `Watchdog`'s heartbeats, so a failed collective names the rank that stopped.
     Shared by `DistributedTrainer` and `ShardedTrainer`.
 
-    >>> monitor = RankMonitor(timeout=60); monitor.epoch_barrier(); monitor.stop()
+        monitor = RankMonitor(timeout=60); monitor.epoch_barrier(); monitor.stop()
     """
 
     def __init__(self, timeout: float | None):

@@ -3,7 +3,7 @@ part in each step. Light on purpose (torchft loads when one starts): `unison lig
 `unison launch --start-lighthouse` (`unison.launch.lighthouse`) start it from here, and tests and
 notebooks call `start_lighthouse` directly.
 
->>> lighthouse = start_lighthouse(min_replicas=2)                     # doctest: +SKIP
+    lighthouse = start_lighthouse(min_replicas=2)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def start_lighthouse(
     """Start torchft's lighthouse in this process (the `torchft_lighthouse` binary does the same);
     its `address()` is what replicas need in `TORCHFT_LIGHTHOUSE`. Call `shutdown()` when done.
 
-    >>> lighthouse = start_lighthouse(min_replicas=2)                     # doctest: +SKIP
-    >>> os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()           # doctest: +SKIP
+        lighthouse = start_lighthouse(min_replicas=2)
+        os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()
     """
     from torchft.coordination import LighthouseServer
 

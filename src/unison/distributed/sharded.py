@@ -95,7 +95,7 @@ def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Modul
     output layer) is never a block: FSDP needs each parameter in one group; its submodules
     are searched instead.
 
-    >>> select_blocks(model, [nn.TransformerEncoderLayer])
+        select_blocks(model, [nn.TransformerEncoderLayer])
     """
     if blocks is None:
         return repeated_blocks(model)
@@ -200,8 +200,8 @@ class ShardedTrainer(Callback):
       peak of memory for more CPU time a step (measured in benchmarks/RESULTS.md); off by default,
       as in a hand-written FSDP2 loop.
 
-    >>> with learn.distrib_ctx(shard=True):
-    ...     learn.fit(3)
+        with learn.distrib_ctx(shard=True):
+            learn.fit(3)
     """
 
     order = 1000  # last, as DistributedTrainer: it reads grad_sync after GradientAccumulation set it

@@ -254,7 +254,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) 
     unison's `SyncBatchNorm`. The new layers hold the same Parameter and buffer objects, so
     an optimizer built earlier keeps working. Returns the root (new if `module` is a BN).
 
-    >>> model = convert_sync_batchnorm(model)    # before wrapping in DDP
+        model = convert_sync_batchnorm(model)    # before wrapping in DDP
     """
     out = module
     if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
@@ -292,7 +292,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     recorded original class, or `BatchNormNd` (any input rank) when none was recorded,
     sharing the same Parameter and buffer objects. Returns the (possibly new) root.
 
-    >>> model = revert_sync_batchnorm(convert_sync_batchnorm(model))   # types as before
+        model = revert_sync_batchnorm(convert_sync_batchnorm(model))   # types as before
     """
     out = module
     if isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):

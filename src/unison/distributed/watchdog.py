@@ -59,9 +59,11 @@ class RankStalledError(RuntimeError):
 class Watchdog:
     """Heartbeats and stack dumps for one rank of a job.
 
-    >>> dog = Watchdog(timeout=60.0); dog.start()
-    >>> dog.progress(epoch, 0, batch, 0)  # a few times a batch: a tuple assignment
-    >>> dog.diagnose()                   # after a collective failed: who stopped?
+    For example:
+
+        dog = Watchdog(timeout=60.0); dog.start()
+        dog.progress(epoch, 0, batch, 0)  # a few times a batch: a tuple assignment
+        dog.diagnose()                   # after a collective failed: who stopped?
     """
 
     def __init__(self, timeout: float, interval: float = 1.0, exit_on_stall: bool = False):
@@ -206,8 +208,7 @@ class Watchdog:
         progress is then a failure, not a preemption every rank takes part in. A store that does
         not answer counts as every other rank gone (its host is the job); None: no store to ask.
 
-        >>> dog.peers_gone()   # every rank beating
-        []
+            dog.peers_gone()   # every rank beating
         """
         if self._store is None:
             return None

@@ -11,9 +11,9 @@ of any rank or of the launcher itself, first erases the bars, is written whole, 
 drawn again below it: no line ever lands inside a bar. When stderr is not a terminal nothing is set
 and the bars stay out of the logs (the callback shows them only on a terminal).
 
->>> relay = BarRelay.for_terminal(sys.stderr)           # None unless stderr is a terminal
->>> with relay.console():                               # doctest: +SKIP
-...     run_workers(env=relay.env())                    # their output goes through sys.stdout/err
+    relay = BarRelay.for_terminal(sys.stderr)           # None unless stderr is a terminal
+    with relay.console():
+        run_workers(env=relay.env())                    # their output goes through sys.stdout/err
 """
 
 from __future__ import annotations

@@ -34,8 +34,10 @@ DEFAULT_READ_TIMEOUT_S = 60
 class BoundedBackend(RendezvousBackend):
     """A rendezvous backend whose every state read and write ends within `limit_s` seconds.
 
-    >>> backend, store = create_backend(params)                    # doctest: +SKIP
-    >>> create_handler(store, BoundedBackend(backend, 60, "10.0.0.1:29400"), params)  # doctest: +SKIP
+    For example:
+
+        backend, store = create_backend(params)
+        create_handler(store, BoundedBackend(backend, 60, "10.0.0.1:29400"), params)
     """
 
     def __init__(self, inner: RendezvousBackend, limit_s: float, endpoint: str):
@@ -67,7 +69,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 def register_bounded_c10d() -> str:
     """Register the bounded c10d rendezvous in torch's registry (once); return its name.
 
-    >>> LaunchConfig(..., rdzv_backend=register_bounded_c10d())  # doctest: +SKIP
+    For example:
+
+        LaunchConfig(..., rdzv_backend=register_bounded_c10d())
     """
     rendezvous_handler_registry.register(BOUNDED_C10D, _create_handler)
     return BOUNDED_C10D

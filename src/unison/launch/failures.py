@@ -32,8 +32,7 @@ def preempted_headline(attempt_dir: str | os.PathLike[str]) -> str | None:
     """The message of a rank that stopped on a preemption signal in that attempt, or None: workers
     record `Preempted` in torch's error file (`rank<R>.error.json`) before they exit 75.
 
-    >>> preempted_headline("/tmp/logs/attempt_0")
-    'Preempted: preempted by SIGTERM: every rank stopped in epoch 0, after step 3; checkpoint written to ...'
+        preempted_headline("/tmp/logs/attempt_0")
     """
     return next((h.strip() for _, h in error_headlines(attempt_dir) if h.startswith("Preempted:")), None)
 
@@ -42,8 +41,7 @@ def error_headlines(attempt_dir: str | os.PathLike[str]) -> Iterator[tuple[str, 
     """(rank, message) of each rank's error file (`rank<R>.error.json`, torch's) in that attempt;
     a torn or unreadable file is passed over (a kill may cut its write short).
 
-    >>> list(error_headlines("/tmp/logs/attempt_0"))
-    [('0', 'DiskFullError: disk full (ENOSPC; ...) writing ...')]
+        list(error_headlines("/tmp/logs/attempt_0"))
     """
     for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
         try:
@@ -67,8 +65,7 @@ def preempted_status(log_dir: str, signame: str | None) -> str | None:
     checkpoint and exited `PREEMPTED_EXIT`), read from the newest attempt's error files; None when
     they did not.
 
-    >>> preempted_status("/tmp/logs", "SIGTERM")
-    'unison launch: preempted (SIGTERM reached the launcher and its workers): every rank stopped in ...'
+        preempted_status("/tmp/logs", "SIGTERM")
     """
     attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     headline = preempted_headline(attempts[-1]) if attempts else None
@@ -147,8 +144,7 @@ def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
     torch's agent fails on one (`JSONDecodeError`) instead of reporting the rank and restarting:
     unison's workers write theirs whole or not at all, but a `--no-python` program may not.
 
-    >>> unreadable_error_files("/tmp/logs")  # rank 1 was stopped while writing its error file
-    [(1, PosixPath('/tmp/logs/attempt_0/rank1.error.json'))]
+        unreadable_error_files("/tmp/logs")  # rank 1 was stopped while writing its error file
     """
     attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     found = []
@@ -287,8 +283,7 @@ def oom_count(pid: int | str = "self", root: str | os.PathLike[str] = "/sys/fs/c
     """The OOM killer's count for `pid`'s memory cgroup (the launcher's: its workers are in it), or
     the machine's (/proc/vmstat) where it has none of its own; None where neither can be read.
 
-    >>> oom_count()
-    OomCount(kills=0, source='/sys/fs/cgroup/job.slice/memory.events', own_cgroup=True)
+        oom_count()
     """
     found = _memory_cgroup_files(pid, Path(root))
     if found is not None:
@@ -310,8 +305,9 @@ def oom_kills_since(
 ) -> OomCount | None:
     """The OOM kills counted since `before` (read the same way), or None when there were none.
 
-    >>> oom_kills_since(OomCount(0, "/proc/vmstat", False))
-    OomCount(kills=1, source='/proc/vmstat', own_cgroup=False)
+    For example:
+
+        oom_kills_since(OomCount(0, "/proc/vmstat", False))
     """
     if before is None:
         return None
@@ -331,8 +327,7 @@ def sigkill_cause(before: OomCount | None, root: str | os.PathLike[str] = "/sys/
     since `before` (the count when the attempt started), "possibly" the OOM killer if only the
     machine's count says so (another job's kill counts there), else the usual senders.
 
-    >>> sigkill_cause(OomCount(3, "/sys/fs/cgroup/job.slice/memory.events", True))  # 4 there now
-    "killed by the kernel's OOM killer (out of memory): it ended 1 process in this job's memory ..."
+        sigkill_cause(OomCount(3, "/sys/fs/cgroup/job.slice/memory.events", True))  # 4 there now
     """
     kills = oom_kills_since(before, root)
     if kills is not None and kills.own_cgroup:

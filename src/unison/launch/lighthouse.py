@@ -242,9 +242,8 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
     block ends (or its launcher dies); its address. Its log goes to a temporary file, read back
     only when it fails to start (a port in use: one line).
 
-    >>> with served_lighthouse(ReplicaOptions(start_lighthouse=True, min_replicas=2)) as address:
-    ...     print(address)                                             # doctest: +SKIP
-    http://myhost:29510
+        with served_lighthouse(ReplicaOptions(start_lighthouse=True, min_replicas=2)) as address:
+            print(address)
     """
     if not opts.start_lighthouse:
         yield None

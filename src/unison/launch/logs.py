@@ -373,8 +373,7 @@ def pointless_restart(attempt_dir: str) -> str | None:
     non-finite loss, a refused checkpoint, a read-only folder), or stopped on a preemption signal
     (the job is to stop, checkpointed).
 
-    >>> pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
-    'rank 0 failed with DiskFullError: disk full (ENOSPC; OSError: [Errno 28] ...) writing ...'
+        pointless_restart("/tmp/logs/attempt_0")  # a rank failed with DiskFullError there
     """
     for rank, headline in error_headlines(attempt_dir):
         preempted = headline.startswith("Preempted:") or ".Preempted:" in headline

@@ -6,8 +6,7 @@ and together oversubscribe them, so a launch counts the workers the others alrea
 `python -m unison.launch.worker` processes, read from /proc) and divides by the total. Launches
 started at the same instant may not see each other yet; `OMP_NUM_THREADS` then decides.
 
->>> other_launches()          # {launcher pid: its workers}, on a machine running one other launch
-{48213: 2}
+    other_launches()          # {launcher pid: its workers}, on a machine running one other launch
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ def _listener(host: str) -> socket.socket:
 def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Host the heartbeat store in this process for the block; yield the variables workers need.
 
-    >>> with heartbeat_store() as env:
-    ...     env["UNISON_HEARTBEAT_STORE"]
-    '127.0.0.1:41234'
+    For example:
+
+        with heartbeat_store() as env:
+            env["UNISON_HEARTBEAT_STORE"]   # "127.0.0.1:<a free port>"
     """
     import torch.distributed as dist
 
@@ -131,8 +132,8 @@ class WatchWorkers:
     torch's agent starts every worker in a session of its own (its pid is the session id), so the
     processes left in it after the worker ended are the worker's own children.
 
-    >>> with WatchWorkers():
-    ...     launch_agent(config, sys.executable, args)  # doctest: +SKIP
+        with WatchWorkers():
+            launch_agent(config, sys.executable, args)
     """
 
     def __init__(self, interval: float = 0.25):
@@ -253,8 +254,7 @@ def private_rendezvous_file(run_id: str) -> str:
 
     torch's FileStore would create it under the umask (0644: any local user could read it).
 
-    >>> private_rendezvous_file("0f3c")
-    '/tmp/unison-rendezvous-0f3c'
+        private_rendezvous_file("0f3c")
     """
     import tempfile
 
@@ -287,8 +287,7 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
     started on one machine still settle it between themselves.) `timeout` bounds how long a node
     waits to reach the store, so a store nobody hosts fails the launch instead of hanging it.
 
-    >>> rdzv_store_configs("10.0.0.1:29400", 60)  # on the machine that has 10.0.0.1
-    {'is_host': True, 'read_timeout': 60}
+        rdzv_store_configs("10.0.0.1:29400", 60)  # on the machine that has 10.0.0.1
     """
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 

@@ -64,13 +64,12 @@ def spawn(
     collective of a group unison makes). A failure in any rank stops all of them and raises
     `SpawnError` naming that rank, with its traceback. Other ranks' results are discarded.
 
-    >>> def train(lr):
-    ...     learn = make_learner(lr)
-    ...     with learn.distrib_ctx():
-    ...         learn.fit(2)
-    ...     return learn.validate()
-    >>> unison.spawn(train, nprocs=2, args=(1e-3,))   # works in a notebook too
-    [0.31, 0.92]
+        def train(lr):
+            learn = make_learner(lr)
+            with learn.distrib_ctx():
+                learn.fit(2)
+            return learn.validate()
+        unison.spawn(train, nprocs=2, args=(1e-3,))   # works in a notebook too
     """
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
@@ -172,9 +171,9 @@ def mp_spawn(
     torch returns None. `daemon` is accepted (the processes never outlive the caller anyway);
     `start_method=None` picks as `spawn` does, so notebook functions work.
 
-    >>> def main_worker(gpu, ngpus_per_node, args):
-    ...     dist.init_process_group("gloo", init_method="env://", rank=gpu, world_size=ngpus_per_node)
-    >>> mp_spawn(main_worker, nprocs=2, args=(2, args))     # was: mp.spawn(main_worker, nprocs=2, ...)
+        def main_worker(gpu, ngpus_per_node, args):
+            dist.init_process_group("gloo", init_method="env://", rank=gpu, world_size=ngpus_per_node)
+        mp_spawn(main_worker, nprocs=2, args=(2, args))     # was: mp.spawn(main_worker, nprocs=2, ...)
     """
     if not join:
         raise ValueError(

@@ -7,7 +7,7 @@ folder, and the zygote forks the worker. The stub then passes on every signal it
 agent's SIGTERM, a preemption signal) and ends as the worker ended: the same exit code, or killed
 by the same signal, so the agent, the failure summary and a restart see what a cold worker gives.
 
->>> run_in_zygote(os.environ["UNISON_ZYGOTE"], ["train.py", "--epochs", "3"])  # doctest: +SKIP
+    run_in_zygote(os.environ["UNISON_ZYGOTE"], ["train.py", "--epochs", "3"])
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def end_process(status: int) -> NoReturn:
     because torch's gloo threads may still be freeing a finished collective when it starts, and
     they abort the process then (module docstring).
 
-    >>> end_process(0)  # doctest: +SKIP
+        end_process(0)
     """
     shutdown_threads()
     atexit._run_exitfuncs()

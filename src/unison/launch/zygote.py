@@ -111,9 +111,11 @@ def _die_with_parent(parent: int) -> None:
 class Zygote:
     """The zygote process of one launch; a context manager that stops it (and so its workers).
 
-    >>> with Zygote.start() as zygote:  # doctest: +SKIP
-    ...     with exported(zygote.env()):
-    ...         launch_agent(config, sys.executable, args)
+    For example:
+
+        with Zygote.start() as zygote:
+            with exported(zygote.env()):
+                launch_agent(config, sys.executable, args)
     """
 
     def __init__(self, pid: int, folder: str, proc: subprocess.Popen[bytes] | None = None):

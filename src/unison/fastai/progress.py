@@ -59,9 +59,8 @@ def use_launch_progress(learn: Any) -> Callable[[], None]:
     learn.add_cb(keeper)
 
     def restore() -> None:
-        learn.remove_cbs(
-            [cb for cb in learn.cbs if isinstance(cb, (LaunchProgressCallback, _KeepLaunchProgress))]
-        )
+        ours = (LaunchProgressCallback, _KeepLaunchProgress)
+        learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ours)])
         if not any(type(cb) is ProgressCallback for cb in learn.cbs):
             for cb in stock:
                 cb.run = True  # the keeper may have benched it, had it come back through no_bar
@@ -91,7 +90,7 @@ class LaunchProgressCallback(ProgressCallback):
     def before_fit(self) -> None:
         assert hasattr(self.learn, "recorder")
         self._names = None
-        self.mbar = _Bar(range(self.n_epoch), self._show) if self.create_mbar else None
+        self.mbar = _Bar(range(self.n_epoch), self._show, "Epoch") if self.create_mbar else None
         if self.mbar is not None:
             self.mbar.update(0)  # starts its clock (a resumed fit's first epoch is past 0)
         if self.learn.logger != noop:
@@ -174,9 +173,8 @@ class _KeepLaunchProgress(Callback):
 
     def before_fit(self) -> None:
         for cb in [cb for cb in self.learn.cbs if type(cb) is ProgressCallback]:
-            cb.run = (
-                False  # this fit's event list holds it already: it skips them (fastai resets `run` after_fit)
-            )
+            # This fit's event list holds it already: with `run` off it skips every event of the fit.
+            cb.run = False
             _swap(self.learn, cb)("before_fit")  # the new one is not in that list: its first event here
 
 

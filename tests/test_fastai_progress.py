@@ -2,7 +2,7 @@
 epoch through a pipe.
 
 fastprogress redraws its bar with carriage returns on any stdout; through torch's per-rank tailer
-each redraw came out as a line of its own (88 lines for the script's three 25-batch epochs through a
+each redraw came out as a line of its own (86 lines for the script's three 25-batch epochs through a
 pipe). The bridge swaps fastai's bar on rank 0 for one that the launcher's relay redraws in place,
 and that writes nothing but fastai's table to a pipe or a file.
 """
@@ -68,7 +68,7 @@ def test_through_a_pipe_fastais_table_is_one_line_per_epoch_and_no_bar():
     assert [line.rstrip() for line in lines if line.startswith(HEADER)] == [HEADER], proc.stdout
     for epoch in range(3):
         assert len([line for line in lines if row(epoch).fullmatch(line)]) == 1, proc.stdout
-    # the header, three rows, the bridge's global-batch line, DONE (88 lines when each redraw was one)
+    # the header, three rows, the bridge's global-batch line, DONE (86 lines when each redraw was one)
     assert len(lines) <= 8, proc.stdout
 
 

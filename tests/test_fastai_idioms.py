@@ -105,3 +105,28 @@ def test_a_rank_killed_past_epoch_0_resumes_with_its_trackers_to_fastai_alone(
     # the resumed attempt finds epoch 2 better, as the uninterrupted run did; epoch 1 is not
     assert "Better model found at epoch 2" in ranks[0]["printed"]
     assert "Better model found at epoch 1" not in ranks[0]["printed"]
+
+
+def test_fastais_distributed_tutorial_script_runs_with_only_its_import_changed(tmp_path: Path) -> None:
+    """examples/fastai_distributed.py (fastai's tutorial steps: setup_distrib, rank0_first writing the
+    data once, `ctx = learn.parallel_ctx if ... else learn.distrib_ctx`, fit_flat_cos) at batch 32
+    on 2 processes ends on the weights of one process at 64 (float32 rounding)."""
+    example = ROOT / "examples" / "fastai_distributed.py"
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    run([sys.executable, str(example), "--bs", "64", "--out", str(one)], cwd=tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.launch",
+        "--nproc",
+        "2",
+        str(example),
+        "--bs",
+        "32",
+        "--out",
+        str(two),
+    ]
+    proc = run(cmd, cwd=tmp_path)
+    assert "global batch 64 = 2 processes x 32" in proc.stdout
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) < 1e-5

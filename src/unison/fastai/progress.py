@@ -14,9 +14,9 @@ which times its bars with fastprogress's own `ProgressBar` but draws them where 
 Either way fastai's table (the header, then one row per epoch, from fastai's Recorder) is printed on
 stdout as fastai prints it. A plain run on a terminal keeps fastai's own bar, which is live there.
 
->>> restore = use_launch_progress(learn)   # doctest: +SKIP
->>> learn.fit(3)                            # doctest: +SKIP
->>> restore()                               # fastai's own ProgressCallback is back  # doctest: +SKIP
+    restore = use_launch_progress(learn)   # rank 0, inside `to_distributed`
+    learn.fit(3)
+    restore()                              # fastai's own ProgressCallback is back (`detach_distributed`)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def use_launch_progress(learn: Any) -> Callable[[], None]:
     on a Learner without fastai's bar (another rank, or inside `learn.no_bar()`), nothing changes.
     Returns the function that undoes it: fastai's own callback back in its place.
 
-    >>> restore = use_launch_progress(learn)   # doctest: +SKIP
+        restore = use_launch_progress(learn)
     """
     stock = [cb for cb in learn.cbs if type(cb) is ProgressCallback]
     if not stock or not (_relayed() or not _is_terminal(sys.stdout)):

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.hangs import run_or_report
-from unison.launch.check import CheckError, compare, main, preflight, scale_batch_arg, verdict
+from unison.launch.check import CheckError, compare, global_batch, main, preflight, scale_batch_arg, verdict
+from unison.launch.check_report import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = [sys.executable, "-m", "unison.cli", "check-exact"]
@@ -119,10 +120,47 @@ def test_compare_measures_weights_losses_and_metrics() -> None:
 def test_nans_compare_equal_only_to_nans() -> None:
     one = record({"w": [math.nan, math.inf, 1.0]}, [math.nan], [1.0, 1.0, 1.0])
     assert compare(one, one).weights[0][1] == 0.0
-    assert compare(one, one).losses[0][3] == 0.0
+    assert math.isnan(compare(one, one).losses[0][3])  # neither run has a loss there: not compared
     other = record({"w": [0.0, math.inf, 1.0]}, [1.0], [1.0, 1.0, 1.0])
     assert compare(one, other).weights[0][1] == math.inf
     assert compare(one, other).losses[0][3] == math.inf
+
+
+def test_a_value_neither_run_recorded_is_not_compared() -> None:
+    """A validation loss neither run recorded (an evaluation that does not go through run.loss) is
+    NaN in both records: reported as not compared, never as an agreement."""
+    one = record({"w": [1.0]}, [0.5], [0.5, math.nan, 1.0])
+    cmp = compare(one, one)
+    assert cmp.not_compared == ["valid_loss"] and cmp.max_rel_metric == 0.0
+    assert "valid_loss not compared (neither run recorded it)" in "\n".join(describe(cmp, 2, "float64", 1e-8))
+    assert verdict(None, cmp, 2, None)[0] == 0  # judged on what was compared
+
+
+def test_a_float32_loss_inside_a_float64_run_is_judged_by_the_weights() -> None:
+    """fastai's CrossEntropyLossFlat computes in float32 whatever the model's dtype: in a float64 run
+    the per-batch losses agree only to float32 rounding (4e-8 here) while the weights agree to 7e-15.
+    That is float noise, not a divergence; the weights decide."""
+    one = record({"w": [1.0]}, [0.5, 0.4], [0.5, 0.4, 1.0])
+    many = record({"w": [1.0 + 7e-15]}, [0.5, 0.4 * (1 + 4e-8)], [0.5, 0.4, 1.0])
+    for r in (one, many):
+        r.update(float64=True, loss_float64=False)
+    cmp = compare(one, many)
+    status, line = verdict(None, cmp, 2, None)
+    assert status == 0, line
+    assert "losses to 4.0e-08 (<= 1e-05: the loss function computes in float32)" in line
+    assert "computed in float32 by the loss function" in "\n".join(describe(cmp, 2, "float64", 1e-8))
+    many["losses"][1] = 0.4 * (1 + 3e-4)  # beyond float32's rounding: still a difference
+    assert verdict(None, compare(one, many), 2, None)[0] == 1
+    for r in (one, many):
+        r["loss_float64"] = True  # a float64 loss: judged at float64's tolerance, as before
+    assert verdict(None, compare(one, many), 2, None)[0] == 1
+
+
+def test_the_global_batch_is_named_with_its_accumulated_batches() -> None:
+    assert (
+        global_batch({"batch_size": 32, "accumulate": 2}) == ", global batch 64 (2 accumulated batches of 32)"
+    )
+    assert global_batch({"batch_size": 32}) == ", global batch 32"
 
 
 def test_runs_that_were_not_set_up_alike_are_refused() -> None:
@@ -304,3 +342,24 @@ def test_a_bias_before_a_batchnorm_is_named_as_the_cause_of_the_difference(tmp_p
     proc = check_exact([*args[:-1], str(script), "--no-bias"], tmp_path, 370)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hint:" not in proc.stdout
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(400)
+def test_check_exact_on_a_finished_runs_folder_trains_from_scratch_and_leaves_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """An own loop with `resume=True` whose run finished: its checkpoint is at the end, and check-exact
+    compared 0 steps and called it exact. Each run now starts from scratch (a fresh checkpoint folder
+    beside its record) and the script's checkpoint is left as it was."""
+    script = ROOT / "tests" / "fault_scripts" / "own_loop.py"
+    done = run_or_report([sys.executable, str(script), "--dir", str(tmp_path), "--bs", "16", "--sched"], 200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = tmp_path / "models" / "checkpoint.pth"
+    before = ckpt.read_bytes()
+    args = ["--nproc", "2", "--steps", "3", "--float64-only", "--batch-arg", "bs", str(script)]
+    proc = check_exact([*args, "--dir", str(tmp_path), "--bs", "16", "--sched"], tmp_path, 300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compared after 3 optimizer step(s), global batch 16" in proc.stdout, proc.stdout
+    assert "verdict: exact to float noise" in proc.stdout
+    assert ckpt.read_bytes() == before

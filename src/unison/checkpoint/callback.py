@@ -35,6 +35,7 @@ from unison.checkpoint.format import (
     remove_stale_temps,
 )
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
+from unison.env_names import PROBE_ENV
 from unison.events import Callback
 from unison.rng import get_rng_state, set_rng_state
 
@@ -75,6 +76,8 @@ class Checkpoint(Callback):
     with a warning, when the newest is refused. `components` (name -> object with `state_dict` /
     `load_state_dict`, read at each save) are saved too and restored after the optimizer, its
     hyper-parameters kept; `checks` run on every rank before each save (one may refuse it).
+    Under `unison check-exact` the checkpoints go to a fresh folder beside the probe's record: each
+    run starts from scratch, and the script's own checkpoints are left as they are.
 
     >>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
     >>> learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
@@ -101,6 +104,9 @@ class Checkpoint(Callback):
 
     @property
     def file(self) -> Path:
+        probe = os.environ.get(PROBE_ENV)
+        if probe:  # under `unison check-exact`: each run from scratch, the script's checkpoints untouched
+            return Path(f"{probe}.checkpoints") / f"{self.fname}.pth"
         return self.learn.path / self.learn.model_dir / f"{self.fname}.pth"
 
     def before_fit(self) -> None:

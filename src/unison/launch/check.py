@@ -177,7 +177,7 @@ def run_once(run: Run, opts: argparse.Namespace, steps: int) -> dict[str, Any]:
     if not run.record.exists():
         raise CheckError(
             f"the run on {run.label} ended without training: check-exact stops the script's first "
-            "Learner.fit, and none ran (a script that trains without unison's Learner cannot be "
+            "Learner.fit (or Run's epochs), and none ran (a script that trains without unison cannot be "
             f"checked). Its output ends:\n{_tail(run.log)}"
         )
     import torch
@@ -220,6 +220,18 @@ def preflight(one: dict[str, Any], many: dict[str, Any], nproc: int, batch_arg: 
         )
 
 
+def global_batch(record: dict[str, Any]) -> str:
+    """The 1-process record's global batch, as the report names it ('' when the loader has none).
+
+    >>> global_batch({"batch_size": 32, "accumulate": 2})
+    ', global batch 64 (2 accumulated batches of 32)'
+    """
+    bs, k = record["batch_size"], record.get("accumulate", 1)
+    if bs is None:
+        return ""
+    return f", global batch {bs * k} ({k} accumulated batches of {bs})" if k > 1 else f", global batch {bs}"
+
+
 def check(opts: argparse.Namespace, out: Path) -> int:
     """Run, compare and print the report; return the exit status."""
     if opts.nproc < 2:
@@ -251,10 +263,13 @@ def check(opts: argparse.Namespace, out: Path) -> int:
         preflight(records[1, float64], records[opts.nproc, float64], opts.nproc, opts.batch_arg)
     one = records[1, dtypes[0]]
     steps = one["steps"]
-    bs = one["batch_size"]
-    batch = f", global batch {bs}" if bs is not None else ""
+    if steps == 0:
+        raise CheckError(
+            "the runs took 0 optimizer steps: nothing was compared (the fit ended before its first step: "
+            "its epochs were done already, or its loader is empty)"
+        )
     note = "" if steps == opts.steps else f" (the fit ended after {steps} of the {opts.steps} asked)"
-    print(f"compared after {steps} optimizer step(s){note}{batch}")
+    print(f"compared after {steps} optimizer step(s){note}{global_batch(one)}")
     cmp32 = compare(records[1, False], records[opts.nproc, False]) if False in dtypes else None
     cmp64 = compare(records[1, True], records[opts.nproc, True]) if opts.float64 else None
     tol64 = RTOL_FLOAT64 if opts.rtol is None else opts.rtol

@@ -49,8 +49,9 @@ def _rel(diff: float, a: float, b: float) -> float:
 
 
 def _diff(a: float, b: float) -> float:
+    """|a - b|; NaN when neither run has a value (a validation loss nothing recorded): not compared."""
     if math.isnan(a) and math.isnan(b):
-        return 0.0
+        return math.nan
     if math.isnan(a) or math.isnan(b):
         return math.inf
     return abs(a - b)
@@ -61,14 +62,17 @@ class Comparison:
     """The differences between a 1-process record and a W-process record of the same dtype.
 
     `weights`: (name, max |dw|, relative) per tensor, relative to the tensor's largest entry,
-    most different first; `losses`: (step, loss 1, loss W, |d|) per step; `metrics`:
-    (name, value 1, value W, |d|) for the last recorded epoch row.
+    most different first; `losses`: (batch, loss 1, loss W, |d|) per training batch; `metrics`:
+    (name, value 1, value W, |d|) for the last recorded epoch row. A |d| of NaN: neither run
+    recorded that value (not compared). `loss_float32`: the loss came in float32 in a float64 run
+    (a loss function that computes in float32): judged at float32's tolerance, the weights decide.
     """
 
     weights: list[tuple[str, float, float]] = field(default_factory=list)
     losses: list[tuple[int, float, float, float]] = field(default_factory=list)
     metrics: list[tuple[str, float, float, float]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    loss_float32: bool = False
 
     @property
     def max_abs_weight(self) -> float:
@@ -79,15 +83,25 @@ class Comparison:
         return max((r for _, _, r in self.weights), default=0.0)
 
     @property
+    def max_rel_loss(self) -> float:
+        """The largest relative difference of the per-batch losses (those compared)."""
+        return max((_rel(d, a, b) for _, a, b, d in self.losses if not math.isnan(d)), default=0.0)
+
+    @property
     def max_rel(self) -> float:
-        """The largest relative difference of the weights and the per-step losses."""
-        rels = [self.max_rel_weight, *(_rel(d, a, b) for _, a, b, d in self.losses)]
+        """The largest relative difference of the weights and (unless in float32) the per-batch losses."""
+        rels = [self.max_rel_weight, 0.0 if self.loss_float32 else self.max_rel_loss]
         return max(rels) if not self.missing else math.inf
 
     @property
     def max_rel_metric(self) -> float:
-        """The largest relative difference of the epoch values (train_loss, valid_loss, metrics)."""
-        return max((_rel(d, a, b) for _, a, b, d in self.metrics), default=0.0)
+        """The largest relative difference of the epoch values (train_loss, valid_loss, metrics) compared."""
+        return max((_rel(d, a, b) for _, a, b, d in self.metrics if not math.isnan(d)), default=0.0)
+
+    @property
+    def not_compared(self) -> list[str]:
+        """The epoch values neither run recorded (NaN in both)."""
+        return [name for name, _, _, d in self.metrics if math.isnan(d)]
 
     def diverging(self, rtol: float) -> list[str]:
         """The tensors whose relative difference exceeds `rtol`, most different first."""
@@ -98,7 +112,7 @@ def compare(one: dict[str, Any], many: dict[str, Any]) -> Comparison:
     """Compare the records of a 1-process run and a W-process run."""
     import torch
 
-    result = Comparison()
+    result = Comparison(loss_float32=bool(one.get("float64")) and one.get("loss_float64") is False)
     w1, ww = one["weights"], many["weights"]
     result.missing = sorted(set(w1) ^ set(ww))
     for name in w1:
@@ -152,19 +166,26 @@ def describe(cmp: Comparison, nproc: int, dtype: str, rtol: float | None) -> lis
             for n, d, r in shown:
                 flag = "  <- diverges" if rtol is not None and r > rtol else ""
                 lines.append(f"      {n.ljust(width)}  {d:.2e}  {r:.2e}{flag}")
-    if cmp.losses:
-        worst = max(cmp.losses, key=lambda t: t[3])
+    compared = [t for t in cmp.losses if not math.isnan(t[3])]
+    if compared:
+        worst = max(compared, key=lambda t: t[3])
+        in32 = ", computed in float32 by the loss function" if cmp.loss_float32 else ""
         lines.append(
-            f"  losses ({len(cmp.losses)} steps): max |dloss| {worst[3]:.2e} at step {worst[0]} "
-            f"(relative {_rel(worst[3], worst[1], worst[2]):.2e})"
+            f"  losses ({len(cmp.losses)} training batches{in32}): max |dloss| {worst[3]:.2e} at batch "
+            f"{worst[0]} (relative {_rel(worst[3], worst[1], worst[2]):.2e})"
         )
-        lines.append(f"    step  {'1 process':>14}  {procs(nproc):>14}  {'|d|':>9}")
+        lines.append(f"    batch {'1 process':>14}  {procs(nproc):>14}  {'|d|':>9}")
         for step, a, b, d in cmp.losses[:LOSS_ROWS]:
             lines.append(f"    {step:<4}  {a:>14.8g}  {b:>14.8g}  {d:>9.2e}")
         if len(cmp.losses) > LOSS_ROWS:
             lines.append(f"    ... ({len(cmp.losses) - LOSS_ROWS} more)")
     if cmp.metrics:
-        cells = [f"{n} {a:.6g} vs {b:.6g} (|d| {d:.2e})" for n, a, b, d in cmp.metrics]
+        cells = [
+            f"{n} not compared (neither run recorded it)"
+            if math.isnan(d)
+            else f"{n} {a:.6g} vs {b:.6g} (|d| {d:.2e})"
+            for n, a, b, d in cmp.metrics
+        ]
         lines.append("  after the last step: " + "; ".join(cells))
     return lines
 
@@ -192,13 +213,19 @@ def verdict(
     tol = (RTOL_FLOAT64 if cmp64 is not None else RTOL_FLOAT32) if rtol is None else rtol
     metric_tol = max(tol, RTOL_FLOAT32)
     gap, metric_gap = decisive.max_rel, decisive.max_rel_metric
-    agree = gap <= tol and metric_gap <= metric_tol
+    loss_gap = decisive.max_rel_loss if decisive.loss_float32 else 0.0
+    agree = gap <= tol and metric_gap <= metric_tol and loss_gap <= metric_tol
     weights = f"{gap:.1e} relative ({'<=' if gap <= tol else '>'} {tol:g})"
     metric_note = ""
+    if decisive.loss_float32:  # float32 noise in a float32 loss says nothing of the float64 weights
+        sign = "<=" if loss_gap <= metric_tol else ">"
+        metric_note += (
+            f", losses to {loss_gap:.1e} ({sign} {metric_tol:g}: the loss function computes in float32)"
+        )
     if decisive.metrics:  # judged at their own tolerance, stated beside their figure
         why = "" if metric_tol == tol else ": unison reduces them in float32"
         sign = "<=" if metric_gap <= metric_tol else ">"
-        metric_note = f", metrics to {metric_gap:.1e} ({sign} {metric_tol:g}{why})"
+        metric_note += f", metrics to {metric_gap:.1e} ({sign} {metric_tol:g}{why})"
     if cmp64 is not None:
         if agree:
             rounding = (

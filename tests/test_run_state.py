@@ -262,3 +262,26 @@ def test_evaluation_alone_needs_no_optimizer():
         with torch.no_grad():
             preds = torch.cat([run.gather(model(x)) for x, _ in valid])
         assert torch.allclose(preds, _model(False)(ds.tensors[0]), rtol=0, atol=1e-12)
+
+
+def test_a_preempted_run_names_run_epochs_resume_in_its_message(tmp_path):
+    import os
+    import signal
+
+    from unison.callbacks.preemption import Preempted
+
+    model = _model(False)
+    with Run(path=tmp_path) as run:
+        model, opt = run.setup(model, _opt(model))
+        train = run.loader(DataLoader(_data(16), batch_size=4))
+        run.checkpoint()
+        with pytest.raises(Preempted) as stop:
+            for _ in run.epochs(2):
+                model.train()
+                for x, y in train:
+                    run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                    opt.step()
+                    opt.zero_grad()
+                    if run.batch == 1:
+                        os.kill(os.getpid(), signal.SIGTERM)
+    assert "resubmit with run.epochs(n, resume=True)" in str(stop.value), str(stop.value)

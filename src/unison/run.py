@@ -48,7 +48,7 @@ import unison.engine as engine
 from unison.callbacks.defaults import default_callbacks
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import Mode
-from unison.callbacks.preemption import OnPreempt, handling
+from unison.callbacks.preemption import OnPreempt, Preemption, handling
 from unison.callbacks.progress import ProgressCallback
 from unison.checkpoint import learner_files
 from unison.checkpoint.callback import Checkpoint
@@ -114,6 +114,9 @@ class Run:
         self.host = RunHost(config, accumulate, Path(path), Path(model_dir))
         defaults = default_callbacks(self.host.recorder, on_nonfinite, on_preempt)
         self.host.add_cbs(cb for cb in defaults if not isinstance(cb, ProgressCallback))  # (no bars here)
+        for cb in defaults:
+            if isinstance(cb, Preemption):  # its message names this loop's resume
+                cb.resume_as = "run.epochs(n, resume=True)"
         self._stack = contextlib.ExitStack()
         self._open = False
         #: What checkpoints and torchft heals carry besides model and optimizer, by name.

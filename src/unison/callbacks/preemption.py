@@ -18,7 +18,8 @@ callback (`Learner(on_preempt="stop" | "requeue" | None)`). While `fit` runs:
    once the checkpoint is written (`unison.distributed.slurm.requeue`);
 5. every rank raises `Preempted`, a `SystemExit` with status 75 (`PREEMPTED_EXIT`, sysexits'
    EX_TEMPFAIL: "try again"). `unison launch` passes it on as the job's status and never restarts
-   into it; the job resubmitted with `fit(..., resume=True)` ends on the uninterrupted weights.
+   into it; the job resubmitted with `fit(..., resume=True)` ends on the uninterrupted weights (the
+   message names the resume as the loop is written: `resume_as`, e.g. `run.epochs(n, resume=True)`).
 
 torch's agent stops the survivors of a failed rank with SIGTERM too. A rank that completes no batch
 for `STALL_S` after the signal (or 3x its slowest batch), has not agreed to stop, is not writing a
@@ -75,6 +76,10 @@ PEERS_EVERY_S = 0.5
 __all__ = ["PREEMPTED_EXIT", "Preempted", "Preemption", "handling"]
 
 
+#: How a resubmitted job resumes, as the `Learner` says it (`Run`: `run.epochs(n, resume=True)`).
+RESUME_AS = "fit(..., resume=True)"
+
+
 class Preempted(SystemExit):
     """Every rank stopped on a preemption signal: the process exits with `PREEMPTED_EXIT` (75).
 
@@ -85,12 +90,22 @@ class Preempted(SystemExit):
     'preempted by SIGTERM: every rank stopped in epoch 1, after step 4'
     """
 
-    def __init__(self, signame: str, epoch: int, step: int | None, saved: str | None, requeued: str = ""):
+    def __init__(
+        self,
+        signame: str,
+        epoch: int,
+        step: int | None,
+        saved: str | None,
+        requeued: str = "",
+        resume_as: str = RESUME_AS,
+    ):
         self.signame, self.epoch, self.step, self.saved, self.requeued = signame, epoch, step, saved, requeued
+        self.resume_as = resume_as
         super().__init__(PREEMPTED_EXIT)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.signame, self.epoch, self.step, self.saved, self.requeued))
+        args = (self.signame, self.epoch, self.step, self.saved, self.requeued, self.resume_as)
+        return (type(self), args)
 
     def __str__(self) -> str:
         where = (
@@ -101,7 +116,7 @@ class Preempted(SystemExit):
         if self.saved is None:
             what = "no Checkpoint callback, so nothing was saved"
         else:
-            what = f"checkpoint written to {self.saved}: resubmit with fit(..., resume=True)"
+            what = f"checkpoint written to {self.saved}: resubmit with {self.resume_as}"
         tail = f"; {self.requeued}" if self.requeued else ""
         return f"preempted by {self.signame}: every rank stopped {where}; {what}{tail}"
 
@@ -129,6 +144,8 @@ class Preemption(Callback):
         requeue: bool | None = None,
     ):
         self.signals = preempt_signals() if signals is None else parse_signals(signals)
+        #: The call that resumes, named in the message as the user wrote the loop.
+        self.resume_as = RESUME_AS
         self.requeue = _truthy(os.environ.get(REQUEUE_ENV)) if requeue is None else bool(requeue)
         self.received: signal.Signals | None = None
         self._saves_before = 0
@@ -236,7 +253,7 @@ class Preemption(Callback):
             requeued = requeue(os.environ)
         # No rank leaves before rank 0 has written and requeued: a launcher stops the others when one ends.
         collective.barrier()
-        stop = Preempted(signame, learn.epoch, step, saved, requeued)
+        stop = Preempted(signame, learn.epoch, step, saved, requeued, self.resume_as)
         _record_for_launcher(stop)
         if collective.is_main:
             print(f"unison: {stop}", file=sys.stderr, flush=True)

@@ -31,9 +31,10 @@ N, BATCH = 121, 12  # 11 steps an epoch; the last holds 1 sample, so one replica
 ATOL = 2e-5  # float32 noise of another summation order (the Learner's torchft tests use the same)
 
 
-def plain_loop(loss: str, opt_kind: str, epochs: int) -> dict[str, torch.Tensor]:
+def plain_loop(loss: str, opt_kind: str, epochs: int, sched: bool = False) -> dict[str, torch.Tensor]:
     """What tests/fault_scripts/ft_own_loop.py trains, on one process without unison: each step of 12
-    samples (sequential order) backpropagates the summed loss over its count (tokens or samples)."""
+    samples (sequential order) backpropagates the summed loss over its count (tokens or samples);
+    `sched`: a OneCycleLR stepped after each step (`--sched`)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, 5, 8, generator=g)
     y = (x[..., 0] + 0.5 * x[..., 1] > 0).long()
@@ -43,6 +44,9 @@ def plain_loop(loss: str, opt_kind: str, epochs: int) -> dict[str, torch.Tensor]
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     opt_func = torch.optim.AdamW if opt_kind == "adamw" else torch.optim.SGD
     opt = opt_func(model.parameters(), lr=1e-2)
+    one_cycle = (
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=11 * epochs) if sched else None
+    )
     for _ in range(epochs):
         for first in range(0, N, BATCH):
             xb, yb = x[first : first + BATCH], y[first : first + BATCH]
@@ -53,6 +57,8 @@ def plain_loop(loss: str, opt_kind: str, epochs: int) -> dict[str, torch.Tensor]
             (total / count).backward()
             opt.step()
             opt.zero_grad()
+            if one_cycle is not None:
+                one_cycle.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -123,10 +129,11 @@ def test_an_own_loop_as_a_replica_group_of_two_processes_trains_to_the_plain_loo
 def test_an_own_loop_survives_a_sigkilled_replica_redoing_its_step_and_ends_on_the_plain_loops_weights(
     tmp_path,
 ):
+    """With a OneCycleLR given to `run.setup`: skipped in the failed pass, healed into the replacement."""
     die_at = random.randint(3, 9)  # a random global step (of 44); printed on failure
     lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=100)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address()}
-    common = ["--epochs", "4", "--step-time", "0.1", "--timeout", "10", "--start-replicas", "2"]
+    common = ["--epochs", "4", "--step-time", "0.1", "--timeout", "10", "--start-replicas", "2", "--sched"]
     replacement = tmp_path / "r1.pt"
     # The survivor waits after step die_at + 2 until the replacement has started (imports done): it is
     # then still training when the replacement joins, however slow the machine.
@@ -162,7 +169,7 @@ def test_an_own_loop_survives_a_sigkilled_replica_redoing_its_step_and_ends_on_t
     assert said in survivor_log, f"die_at={die_at}\n{survivor_log[-3000:]}"
     assert "healed from a live peer (replica r0): joins at epoch" in replacement_log, replacement_log[-3000:]
     runs = {name: torch.load(tmp_path / f"{name}.pt") for name in ("r0", "r1")}
-    check_weights(runs, plain_loop("tokens", "adamw", epochs=4), note=f"die_at={die_at}")
+    check_weights(runs, plain_loop("tokens", "adamw", epochs=4, sched=True), note=f"die_at={die_at}")
     survivor = runs["r0"]
     # The survivor's loop body ran every step once, and the killed step twice (the redo, same items).
     steps = [(e, s) for e in range(4) for s in range(11)]

@@ -40,6 +40,9 @@ parser.add_argument("--start-replicas", type=int, default=2)
 parser.add_argument("--timeout", type=float, default=10.0)
 parser.add_argument("--hold-at", type=int, default=-1, help="after this global step, wait for --hold-for")
 parser.add_argument("--hold-for", default="", help="a file another process writes (its replacement's start)")
+parser.add_argument(
+    "--sched", action="store_true", help="a OneCycleLR given to run.setup, stepped every body"
+)
 args = parser.parse_args()
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 out = f"{args.out}.rank{rank}" if world > 1 else args.out  # each rank of a replica group (unison launch)
@@ -118,7 +121,12 @@ if args.learner:
     weights = learn.raw_model.state_dict()
 else:
     with Run(fault_tolerant=ft, timeout=args.timeout) as run:
-        model, opt = run.setup(model, opt_func(model.parameters(), lr=1e-2))
+        opt = opt_func(model.parameters(), lr=1e-2)
+        if args.sched:  # stepped in every body, the failed pass's too: it steps at real steps only
+            one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=11 * args.epochs)
+            model, opt, sched = run.setup(model, opt, one_cycle)
+        else:
+            model, opt = run.setup(model, opt)
         trainer = run.host.strategy
         train = run.loader(train_dl)
         for epoch in run.epochs(args.epochs):
@@ -132,6 +140,8 @@ else:
                     redoing.append((epoch, run.batch))
                 opt.step()
                 opt.zero_grad()
+                if args.sched:
+                    sched.step()
                 between_steps(epoch, run.batch, len(train))
     weights = run.model.state_dict()
 

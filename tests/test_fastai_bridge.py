@@ -154,6 +154,7 @@ def test_a_preempted_job_exits_75_checkpointed_and_resumes_to_fastais_own_weight
     preempted = launch2("--every", "5", "--term-rank", "0", "--at", "4", "--out", str(two), cwd=tmp_path)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
     assert "preempted by SIGTERM" in preempted.stderr and not two.exists()
+    assert "resubmit with distrib_ctx(learn, resume=True)" in preempted.stderr  # the bridge's API, not fit's
     resumed = launch2("--every", "5", "--out", str(two), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)

@@ -20,18 +20,12 @@ callbacks carry its events to an engine host (`unison.run_host.RunHost`, the hos
 fastai's own gathers (`maybe_gather`, which reads `WORLD_SIZE`) would gather these rows a second
 time: while the bridge is attached on W > 1 processes, `WORLD_SIZE` reads 1 in this process
 (restored on detach). Rank 0 alone shows progress and logs (fastai's own rule for `distrib_ctx`).
-
->>> with distrib_ctx(learn):                                  # doctest: +SKIP
-...     learn.fit_one_cycle(3, 1e-2)
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,15 +37,16 @@ from fastcore.foundation import L
 
 import unison.engine as engine
 import unison.events as unison_events
+import unison.fastai.files as files
 from unison.callbacks.exactness_probe import attach_if_checking
 from unison.callbacks.nonfinite import NonFiniteCheck
 from unison.callbacks.preemption import Preemption
 from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
-from unison.distributed.sync_bn import revert_sync_batchnorm
 from unison.events import fire
-from unison.fastai.loader import RankShardedFastaiDL
+from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree
+from unison.fastai.lr_find import end_sweep, start_sweep
 from unison.fastai.state import (
     CallbackStates,
     DataOrderState,
@@ -157,7 +152,9 @@ class UnisonBridge(fastai_core.Callback):
             # exits 75; the job resubmitted resumes (its handlers are installed by distrib_ctx).
             states = CallbackStates(learn, self.csv_starts)
             checkpoint = Checkpoint(every=checkpoint_every, components={"fastai_callbacks": states})
-            host.add_cbs([checkpoint, self.order_state, Preemption()])
+            preemption = Preemption()
+            preemption.resume_as = "distrib_ctx(learn, resume=True)"  # (the bridge's, not fastai's fit)
+            host.add_cbs([checkpoint, self.order_state, preemption])
 
     # ---- where this process stands ------------------------------------------------------
     @property
@@ -183,22 +180,8 @@ class UnisonBridge(fastai_core.Callback):
         return self.world_size > 1 and not self.sweep
 
     def together(self, what: str, work: Any) -> Any:
-        """`work()` on every rank (fastai writes on rank 0 alone), then every rank learns how every
-        other one did: a file written is whole before any rank reads it, and a rank's own error is
-        raised on every rank, naming it, instead of leaving the others waiting."""
-        error: BaseException | None = None
-        try:
-            result = work()
-        except Exception as exc:
-            error, result = exc, None
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        failed = [(r, e) for r, e in enumerate(self.host.collective.gather_objects(mine)) if e is not None]
-        if error is not None:
-            raise error
-        if failed:
-            rank, reason = failed[0]
-            raise RuntimeError(f"unison.fastai: {what} failed on rank {rank}: {reason}")
-        return result
+        """`work()` with one writer and every rank's outcome on every rank (`files.together`)."""
+        return files.together(self.host.collective, what, work)
 
     def shard(self, dl: Any, pad: bool) -> Any:
         """This rank's share of `dl` (kept across epochs); `dl` itself on one process."""
@@ -216,12 +199,14 @@ class UnisonBridge(fastai_core.Callback):
         names = {type(cb).__name__ for cb in learn.cbs}
         if "GradientAccumulation" in names and self.world_size > 1:
             raise ValueError(
-                "unison.fastai: fastai's GradientAccumulation rescales the loss by its own rows and is not "
-                "exact across processes; train at the global batch instead (bs divided by num_distrib())"
+                "unison.fastai: fastai's GradientAccumulation counts each rank's own rows (on W processes it "
+                "would step every W x n_acc items); leave it out: each process already holds only its share "
+                "of the global batch, bs // num_distrib(), so more processes is what fits a larger batch"
             )
         self.sweep = "LRFinder" in names
-        if self.world_size > 1 and self.sweep:
-            self.start_sweep()
+        if self.world_size > 1 and self.sweep:  # (lr_find)
+            train_shard = self.shard(learn.dls.train, pad=False)
+            self.before_sweep = start_sweep(learn, self.host.raw_model, train_shard)
         if learn.opt is not self.opt_at_setup and self.world_size > 1:
             raise ValueError(
                 "unison.fastai: the optimizer was made again inside distrib_ctx (fit(reset_opt=True) or "
@@ -243,35 +228,18 @@ class UnisonBridge(fastai_core.Callback):
         if learn.lock.locked():
             return  # validate / get_preds: fastai's own before_fit, no fit for the engine's callbacks
         if self.world_size > 1:
-            self.check_loaders_agree()
+            check_loaders_agree(learn.dls, host.collective)
             if host.collective.rank != 0:
                 self.saved_logger, learn.logger = learn.logger, noop
-                for cb in learn.cbs:  # one writer for the logs (fastai resets `run` after the fit)
-                    if type(cb).__name__ in _RANK0_LOGGERS:
-                        cb.run = False
+                files.silence_loggers(learn)
             elif not self.sweep and not self.batch_told:
                 self.batch_told = True
                 bs = learn.dls.train.bs
                 world = self.world_size
                 print(f"unison.fastai: global batch {bs * world} = {world} processes x {bs}")
         if host.collective.rank == 0:
-            for key, cb in user_callbacks(learn):
-                if type(cb).__name__ == "CSVLogger":
-                    file = Path(learn.path) / cb.fname
-                    self.csv_starts[key] = file.stat().st_size if cb.append and file.exists() else 0
+            self.csv_starts.update(files.csv_starts(learn))
         self.fire("before_fit")
-
-    def start_sweep(self) -> None:
-        """`lr_find` on W processes sweeps as one process does: as many steps of the global batch
-        (fastai counts its epochs from this rank's loader length), and every rank starts again from
-        the same weights afterwards (fastai restores them from a file only rank 0 wrote)."""
-        learn = self.learn
-        finder = next(cb for cb in learn.cbs if type(cb).__name__ == "LRFinder")
-        learn.n_epoch = finder.num_it // len(self.shard(learn.dls.train, pad=False)) + 1
-        self.before_sweep = (
-            copy.deepcopy(self.host.raw_model.state_dict()),
-            copy.deepcopy(learn.opt.state_dict()),
-        )
 
     def end_fit(self) -> None:
         self.skip_to, self.iter_offset = None, 0
@@ -283,35 +251,14 @@ class UnisonBridge(fastai_core.Callback):
         finally:
             self.sweep = False
             if self.before_sweep is not None:
-                model, opt = self.before_sweep
+                end_sweep(self.learn, self.host.raw_model, self.before_sweep)
                 self.before_sweep = None
-                self.host.raw_model.load_state_dict(model)
-                self.learn.opt.load_state_dict(opt)
 
     def leave_fit(self) -> None:
         """After any fit, validate or get_preds: rank > 0 prints again once the outermost ends."""
         self.quiet_depth = max(0, self.quiet_depth - 1)
         if self.quiet_depth == 0:
             self.quiet.close()
-
-    def check_loaders_agree(self) -> None:
-        """Every rank must deal the same order: same items count, batch size and fastai generator
-        state (a script that seeds before building its loaders has them); else one line naming it."""
-        dls = self.learn.dls
-        mine = {
-            name: (int(dl.n), int(dl.bs), bool(dl.shuffle), _digest(dl.rng.getstate()))
-            for name, dl in (("train", dls.train), ("valid", dls.valid))
-            if dl is not None
-        }
-        everyone = self.host.collective.gather_objects(mine)
-        for name in mine:
-            others = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0].get(name)]
-            if others:
-                raise ValueError(
-                    f"unison.fastai: the {name} loader differs on rank(s) {others} from rank 0 (items, batch "
-                    f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
-                    "seed every rank alike (fastai's set_seed) before building the DataLoaders"
-                )
 
     def before_epoch(self) -> None:
         learn = self.learn
@@ -380,24 +327,13 @@ class UnisonBridge(fastai_core.Callback):
         if ckpt is None or not ckpt.restore_latest():
             return
         self.skip_to = (host.start_epoch, host.start_iter)
-        self.rewind_csv_logs()
+        if host.collective.rank == 0:  # (the one writer)
+            files.rewind_csv_logs(self.learn, self.csv_starts)
         loaded = self.order_state.loaded
         if loaded is not None and host.start_iter:
             self.pending_order = loaded["before_epoch"]
         elif loaded is not None:
             self.learn.dls.train.rng.setstate(as_rng_state(loaded["now"]))
-
-    def rewind_csv_logs(self) -> None:
-        """Each CSVLogger's file cut back to where the interrupted fit began it, its header written
-        again: the rows of the finished epochs, logged again as they pass, make it the uninterrupted
-        run's file (rank 0, the one writer)."""
-        if self.host.collective.rank != 0:
-            return
-        for key, cb in user_callbacks(self.learn):
-            file = getattr(cb, "file", None)
-            if key in self.csv_starts and file is not None and not file.closed:
-                file.truncate(self.csv_starts[key])
-                file.write(",".join(self.learn.recorder.metric_names) + "\n")
 
     def before_validate(self) -> None:
         learn, host = self.learn, self.host
@@ -437,8 +373,11 @@ class UnisonBridge(fastai_core.Callback):
         # (and get_preds) then see the global batch, the same on every rank.
         learn.pred = map_tensors(lambda t: gather(take_rows(t, real)), learn.pred)
         learn.yb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), y) for y in learn.yb)
-        if getattr(getattr(learn, "gather_preds", None), "with_input", False):  # get_preds(with_input=True)
-            learn.xb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), x) for x in learn.xb)
+        gathering = getattr(learn, "gather_preds", None)
+        if getattr(gathering, "with_input", False) and gathering.inputs:
+            # get_preds(with_input=True) kept this rank's inputs at before_batch: every rank's instead
+            inputs = tuple(map_tensors(lambda t: gather(take_rows(t, real)), x) for x in learn.xb)
+            gathering.inputs[-1] = learn.to_detach(inputs)
 
     def after_loss(self) -> None:
         learn, host = self.learn, self.host
@@ -491,20 +430,6 @@ class UnisonBridge(fastai_core.Callback):
     def after_step(self) -> None:
         self.fire("after_step")
 
-    @contextlib.contextmanager
-    def plain_learner(self) -> Iterator[None]:
-        """The learner as one fastai process holds it, for `learn.export` to pickle: a copy of the
-        model unwrapped with plain BatchNorm, and without the bridge's callbacks."""
-        learn = self.learn
-        model, cbs = learn.model, list(learn.cbs)
-        learn.model = revert_sync_batchnorm(copy.deepcopy(self.host.raw_model))
-        learn.remove_cbs([self, self.after_recorder])
-        try:
-            yield
-        finally:
-            learn.model = model
-            learn.cbs = L(cbs)
-
     # ---- leaving ------------------------------------------------------------------------
     def restore(self) -> None:
         """The learner's model as it was (unwrapped, BatchNorm plain) and the process group left."""
@@ -518,32 +443,3 @@ class UnisonBridge(fastai_core.Callback):
         engine.detach_strategy(self.host)
         self.learn.model = self.host.model
         self.shards.clear()
-
-
-#: fastai's callbacks that write logs or files: rank 0's alone run (one writer, each row once).
-_RANK0_LOGGERS = frozenset(
-    {
-        "CSVLogger",
-        "TensorBoardCallback",
-        "TensorBoardProjectorCallback",
-        "WandbCallback",
-        "CometCallback",
-        "NeptuneCallback",
-        "AzureMLCallback",
-        "ShowGraphCallback",
-    }
-)
-
-
-def _digest(state: Any) -> str:
-    return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
-
-
-def set_world_size_env(value: str | None) -> str | None:
-    """Set (None: remove) `WORLD_SIZE` in this process; returns what it was."""
-    old = os.environ.get("WORLD_SIZE")
-    if value is None:
-        os.environ.pop("WORLD_SIZE", None)
-    else:
-        os.environ["WORLD_SIZE"] = value
-    return old

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from fastai.callback.progress import ProgressCallback
 import unison.engine as engine
 from unison.callbacks.preemption import handling
 from unison.distributed.strategy import ParallelConfig
-from unison.fastai.bridge import UnisonBridge, set_world_size_env
+from unison.fastai.bridge import UnisonBridge
 from unison.fastai.progress import use_launch_progress
 
 __all__ = ["detach_distributed", "distrib_ctx", "get_bridge", "to_distributed"]
@@ -97,3 +98,13 @@ def distrib_ctx(learn: Any, **options: Any) -> Iterator[Any]:
 def get_bridge(learn: Any) -> UnisonBridge | None:
     """The `UnisonBridge` attached to `learn`, if any."""
     return next((cb for cb in learn.cbs if isinstance(cb, UnisonBridge)), None)
+
+
+def set_world_size_env(value: str | None) -> str | None:
+    """Set (None: remove) `WORLD_SIZE` in this process; returns what it was."""
+    old = os.environ.get("WORLD_SIZE")
+    if value is None:
+        os.environ.pop("WORLD_SIZE", None)
+    else:
+        os.environ["WORLD_SIZE"] = value
+    return old

@@ -23,6 +23,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 
 import unison.fastai.distributed as bridge_api
+from unison.fastai.files import plain_learner
 
 __all__ = ["ParallelTrainer"]
 
@@ -115,7 +116,7 @@ def export(self: Learner, fname: Any = "export.pkl", **kwargs: Any) -> None:
         return _fastai_export(self, fname, **kwargs)
 
     def plain_export() -> None:
-        with bridge.plain_learner():
+        with plain_learner(self, bridge.host.raw_model):
             _fastai_export(self, fname, **kwargs)
 
     return _together(self, f"learn.export({fname!r})", plain_export)

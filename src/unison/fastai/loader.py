@@ -19,6 +19,7 @@ is ever counted.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -28,7 +29,7 @@ from fastai.torch_core import to_detach
 
 from unison.data.plan import RankPlan, strided_plan
 
-__all__ = ["RankShardedFastaiDL"]
+__all__ = ["RankShardedFastaiDL", "check_loaders_agree"]
 
 
 class RankShardedFastaiDL(TfmdDL):
@@ -134,3 +135,26 @@ class RankShardedFastaiDL(TfmdDL):
 
     def __repr__(self) -> str:
         return f"RankShardedFastaiDL(rank={self.rank}, world_size={self.world_size}, batches={len(self)})"
+
+
+def check_loaders_agree(dls: Any, collective: Any) -> None:
+    """Every rank must deal the same order: same items count, batch size and fastai generator state
+    (a script that seeds before building its loaders has them); else one line naming it."""
+    mine = {
+        name: (int(dl.n), int(dl.bs), bool(dl.shuffle), _digest(dl.rng.getstate()))
+        for name, dl in (("train", dls.train), ("valid", dls.valid))
+        if dl is not None
+    }
+    everyone = collective.gather_objects(mine)
+    for name in mine:
+        others = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0].get(name)]
+        if others:
+            raise ValueError(
+                f"unison.fastai: the {name} loader differs on rank(s) {others} from rank 0 (items, batch "
+                f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
+                "seed every rank alike (fastai's set_seed) before building the DataLoaders"
+            )
+
+
+def _digest(state: Any) -> str:
+    return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()

@@ -158,3 +158,17 @@ def test_what_users_inspect_after_a_fit_is_fastai_alones(tmp_path: Path) -> None
         # float32 rounding, which Adam amplifies on rarely seen embedding rows (in float64: 2e-16)
         assert max(float((one["collab"][k] - rank["collab"][k]).abs().max()) for k in weights) < 2e-4
     assert max(float((ranks[0]["collab"][k] - ranks[1]["collab"][k]).abs().max()) for k in weights) == 0.0
+
+
+def test_fastais_gradient_accumulation_steps_where_one_process_steps(tmp_path: Path) -> None:
+    """fastai's GradientAccumulation(100) at a global batch of 60 steps after every second batch (120
+    rows), its gradient the sum over 100, and a step's batches run on across an epoch's end (13
+    batches an epoch): on 3 processes at 20 the bridge counts every rank's rows, so the weights are
+    fastai alone's (it alone would count each rank's 20 rows and step three times as seldom)."""
+    args = ("--no-lr-find", "--accumulate", "100")
+    one, three = tmp_path / "one", tmp_path / "three"
+    run([sys.executable, str(SCRIPT), "--plain", *args, "--out", str(one)], cwd=tmp_path)
+    launch(3, three, *args)
+    alone, ranks = rank_files(one, 1)[0], rank_files(three, 3)
+    assert max_diff(ranks[0], ranks[2]) == 0.0
+    assert max_diff(alone, ranks[0]) < TOL

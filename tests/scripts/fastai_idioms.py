@@ -23,6 +23,7 @@ from fastai.tabular.all import (
     Callback,
     CSVLogger,
     EarlyStoppingCallback,
+    GradientAccumulation,
     ReduceLROnPlateau,
     SaveModelCallback,
 )
@@ -41,6 +42,7 @@ parser.add_argument("--no-lr-find", action="store_true")
 parser.add_argument("--every", type=int, help="checkpoint every N steps; a restarted job resumes")
 parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank at epoch 1, step --at (once)")
 parser.add_argument("--at", type=int, default=4)
+parser.add_argument("--accumulate", type=int, help="fastai's GradientAccumulation(n_acc) over this many rows")
 args = parser.parse_args()
 
 
@@ -77,6 +79,8 @@ callbacks = [
     CSVLogger(fname=f"{out.name}.csv", append=True),
     Kill(),
 ]
+if args.accumulate:
+    callbacks.append(GradientAccumulation(args.accumulate))
 printed = io.StringIO()
 resume = {"checkpoint_every": args.every, "resume": True} if args.every else {}
 context = contextlib.nullcontext() if args.plain else learn.distrib_ctx(**resume)

@@ -45,6 +45,7 @@ from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
+from unison.fastai.accumulation import Accumulation, find_accumulation
 from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree
 from unison.fastai.lr_find import end_sweep, start_sweep
 from unison.fastai.state import (
@@ -147,6 +148,7 @@ class UnisonBridge(fastai_core.Callback):
         self.quiet = contextlib.ExitStack()  # rank > 0: fastai's messages (print) from rank 0 alone
         self.quiet_depth = 0
         self.batch_told = False
+        self.accumulation: Accumulation | None = None  # fastai's GradientAccumulation, counted globally
         if self.checkpointing:
             # Preemption: a scheduler's signal (SIGTERM, SIGUSR1) checkpoints every rank at one step and
             # exits 75; the job resubmitted resumes (its handlers are installed by distrib_ctx).
@@ -156,7 +158,6 @@ class UnisonBridge(fastai_core.Callback):
             preemption.resume_as = "distrib_ctx(learn, resume=True)"  # (the bridge's, not fastai's fit)
             host.add_cbs([checkpoint, self.order_state, preemption])
 
-    # ---- where this process stands ------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.host.collective.world_size
@@ -197,12 +198,8 @@ class UnisonBridge(fastai_core.Callback):
     def before_fit(self) -> None:
         learn, host = self.learn, self.host
         names = {type(cb).__name__ for cb in learn.cbs}
-        if "GradientAccumulation" in names and self.world_size > 1:
-            raise ValueError(
-                "unison.fastai: fastai's GradientAccumulation counts each rank's own rows (on W processes it "
-                "would step every W x n_acc items); leave it out: each process already holds only its share "
-                "of the global batch, bs // num_distrib(), so more processes is what fits a larger batch"
-            )
+        if self.world_size > 1 and not learn.lock.locked():
+            self.accumulation = find_accumulation(learn)
         self.sweep = "LRFinder" in names
         if self.world_size > 1 and self.sweep:  # (lr_find)
             train_shard = self.shard(learn.dls.train, pad=False)
@@ -292,7 +289,8 @@ class UnisonBridge(fastai_core.Callback):
             learn.dl = self.shard(learn.dl, pad=False)
         host.dl, host.training, host.n_iter = learn.dl, True, len(learn.dl)
         host.grad_sync = True
-        host.exact_loss.start_epoch(learn.dl.bs)
+        if self.accumulation is None or self.accumulation.count == 0:  # (accumulation runs across epochs)
+            host.exact_loss.start_epoch(learn.dl.bs)
         self.iter_offset = 0
         if self.skip_to is not None and self.skip_to[0] == learn.epoch and self.skip_to[1]:
             # Mid-epoch: the epoch's order drawn again, its first batches skipped unloaded, the
@@ -360,6 +358,8 @@ class UnisonBridge(fastai_core.Callback):
         host.xb, host.yb = learn.xb, learn.yb
         host.pred = host.loss = host.loss_grad = None
         host.loss_count = 0.0
+        if learn.training and self.accumulation is not None:
+            host.grad_sync = self.accumulation.before_batch(learn.dl.global_rows(learn.iter))
         self.fire("before_batch")
         learn.xb, learn.yb = host.xb, host.yb  # (float64 under `unison check-exact --float64`)
 
@@ -413,7 +413,10 @@ class UnisonBridge(fastai_core.Callback):
     def after_backward(self) -> None:
         learn = self.learn
         if self.world_size > 1:
-            self.host.exact_loss.normalise_grads(self.host)
+            if self.host.grad_sync:  # (the last micro-batch of a step)
+                self.host.exact_loss.normalise_grads(self.host)
+                if self.accumulation is not None:
+                    self.accumulation.scale(self.host.model)
             summed = self.host.collective.sum(self.loss_terms)
             learn.loss = (summed[0] / summed[1]).to(learn.loss.dtype)  # the global batch's loss, recorded
         self.fire("after_backward")
@@ -425,6 +428,8 @@ class UnisonBridge(fastai_core.Callback):
             learn.loss = learn.loss.float()
 
     def before_step(self) -> None:
+        if self.accumulation is not None:
+            self.accumulation.before_step()
         self.fire("before_step")
 
     def after_step(self) -> None:

@@ -1,0 +1,57 @@
+"""fastai's `GradientAccumulation(n_acc)` on W processes, on the engine's own accumulation.
+
+fastai's callback counts the rows each process sees and steps once the count reaches `n_acc`, its
+gradient the sum of the accumulated losses over `n_acc`. On W processes each rank sees 1/W of every
+batch, so the callback alone would step every W x `n_acc` rows. Under the bridge it is paused and
+this counts the global batch's rows instead: the micro-steps run under DDP's `no_sync`, the engine
+divides the step's gradient by its global count, and the factor `count / n_acc` makes it fastai's
+sum over `n_acc`. So W processes step where one fastai process steps, with its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastai.callback.core import CancelBatchException
+
+__all__ = ["Accumulation", "find_accumulation"]
+
+
+class Accumulation:
+    """The global count of one fastai `GradientAccumulation`'s optimizer step in progress."""
+
+    def __init__(self, n_acc: int) -> None:
+        self.n_acc = n_acc
+        self.count = 0  # rows of every rank since the last step (it runs on across epochs, as fastai's)
+        self.step_now = True
+
+    def before_batch(self, global_rows: int) -> bool:
+        """Count this training batch's rows over every rank; whether it ends an optimizer step."""
+        self.count += global_rows
+        self.step_now = self.count >= self.n_acc
+        return self.step_now
+
+    def scale(self, model: Any) -> None:
+        """The step's gradient (the engine's mean over `count` rows) as fastai's sum over `n_acc`."""
+        factor = self.count / self.n_acc
+        if factor != 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    def before_step(self) -> None:
+        if not self.step_now:
+            raise CancelBatchException()  # keep the gradients, skip step and zero_grad (as fastai's)
+        self.count = 0
+
+
+def find_accumulation(learn: Any) -> Accumulation | None:
+    """A fastai `GradientAccumulation` among `learn`'s callbacks, paused for this fit (fastai sets
+    `run` again after it), as an `Accumulation`; None when there is none."""
+    found = [cb for cb in learn.cbs if type(cb).__name__ == "GradientAccumulation"]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ValueError("unison.fastai: two GradientAccumulation callbacks; keep one")
+    found[0].run = False
+    return Accumulation(int(found[0].n_acc))

@@ -200,7 +200,8 @@ def test_a_checkpoint_missing_a_component_is_refused_in_one_line(tmp_path):
         model, opt, sched = run.setup(model, raw, _sched(raw))
         run.loader(DataLoader(_data(16), batch_size=4))
         with pytest.raises(
-            CheckpointError, match=r"holds the components \[\], this run hands \['scheduler'\]"
+            CheckpointError,
+            match=r"holds the components \['data_order'\], this run hands \['data_order', 'scheduler'\]",
         ):
             list(run.epochs(2, resume=True))
 
@@ -285,3 +286,67 @@ def test_a_preempted_run_names_run_epochs_resume_in_its_message(tmp_path):
                     if run.batch == 1:
                         os.kill(os.getpid(), signal.SIGTERM)
     assert "resubmit with run.epochs(n, resume=True)" in str(stop.value), str(stop.value)
+
+
+# ---- the order comes from the user's DataLoader (issue 48.5) ------------------------------------
+def _shuffled(ds, bs, generator):
+    g = torch.Generator().manual_seed(3) if generator else None
+    return DataLoader(ds, batch_size=bs, shuffle=True, generator=g)
+
+
+def plain_shuffled(ds, global_bs, epochs, generator):
+    """The plain loop over a shuffled DataLoader (seeded generator, or the global one after
+    torch.manual_seed(5)): the batches it sees and its weights."""
+    model = _model(False)
+    opt = _opt(model)
+    torch.manual_seed(5)
+    dl = _shuffled(ds, global_bs, generator)
+    seen = []
+    for _ in range(epochs):
+        for x, y in dl:
+            seen.append(x)
+            (F.cross_entropy(model(x), y, reduction="sum") / len(y)).backward()
+            opt.step()
+            opt.zero_grad()
+    return torch.cat(seen), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_shuffled(ds, bs, epochs, generator):
+    model = _model(False)
+    seen = []
+    with Run() as run:
+        model, opt = run.setup(model, _opt(model))
+        torch.manual_seed(5)
+        train = run.loader(_shuffled(ds, bs, generator))
+        for _ in run.epochs(epochs):
+            model.train()
+            for x, y in train:
+                seen.append(run.gather(x))
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+        return torch.cat(seen), {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["dataloader-generator", "global-generator"])
+def test_one_process_trains_on_the_plain_loops_batches(generator):
+    ds = _data(45)
+    want_seen, want = plain_shuffled(ds, 8, 3, generator)
+    seen, got = run_shuffled(ds, 8, 3, generator)
+    assert torch.equal(seen, want_seen)  # the very batches, in the very order, every epoch
+    assert _equal(got, want)[1] < 1e-9
+
+
+def _shuffled_parity(generator):
+    world = torch.distributed.get_world_size()
+    ds = _data(45)
+    want_seen, want = plain_shuffled(ds, 4 * world, 2, generator)
+    seen, got = run_shuffled(ds, 4, 2, generator)
+    return torch.equal(seen, want_seen), _equal(got, want)[1]
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["dataloader-generator", "global-generator"])
+def test_w_processes_follow_the_plain_loops_global_order(pool2, pool3, generator):
+    for pool in (pool2, pool3):
+        for same_batches, diff in pool.run(_shuffled_parity, generator):
+            assert same_batches and diff < 1e-9

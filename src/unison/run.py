@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 import unison.engine as engine
 from unison.callbacks.defaults import default_callbacks
@@ -59,6 +59,7 @@ from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
 from unison.run_host import (
+    LoaderOrders,
     RunHost,
     RunLoader,
     RunOptimizer,
@@ -120,7 +121,8 @@ class Run:
         self._stack = contextlib.ExitStack()
         self._open = False
         #: What checkpoints and torchft heals carry besides model and optimizer, by name.
-        self._components: dict[str, Any] = {}
+        self._orders = LoaderOrders(self.host)
+        self._components: dict[str, Any] = {"data_order": self._orders}
         self._setup_lrs: list[Any] | None = None  # each param group's LR as `setup` left it
         self._opt: RunOptimizer | None = None
         self._backwarding = False  # inside run.backward: the loss's own .backward() is refused outside it
@@ -191,8 +193,10 @@ class Run:
             self._components[f"{kind}:{index}"] = obj
 
     def loader(self, dl: DataLoader, *, train: bool | None = None) -> RunLoader:
-        """This rank's share of `dl`, each epoch in the order of the epoch (the same for any number of
-        processes), every item once, padding removed; resumable mid-epoch. Iterate it with the model
+        """This rank's share of `dl`, each epoch in the order `dl` itself draws (from its `generator`,
+        or its sampler's, else the global one as `RandomSampler` does: one process trains on the batches
+        of the plain loop; W processes deal that global order), every item once, padding removed;
+        resumable mid-epoch. Iterate it with the model
         in train mode for a training pass, in eval mode for an evaluation. The first loader given is
         the training one (whose steps checkpoints count) unless `train` says otherwise.
 
@@ -201,12 +205,16 @@ class Run:
         host = self.host
         self._require_setup("loader")
         is_train = train if train is not None else host.dls.train is None
-        if host.collective.world_size > 1:
-            problem = shard_problem(dl)
-            if problem is not None:
-                raise ValueError(f"Run.loader: this loader cannot be sharded across processes: {problem}")
-            name = "train" if is_train else "valid"
-            engine.check_loader_agrees(host, dl, name, host.config.check_data)
+        several = host.collective.world_size > 1
+        problem = shard_problem(dl) if several else None
+        if problem is not None:
+            raise ValueError(f"Run.loader: this loader cannot be sharded across processes: {problem}")
+        if isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset):
+            self._orders.add(
+                dl
+            )  # each epoch in the order the loader itself draws: one process = the plain loop
+        if several:
+            engine.check_loader_agrees(host, dl, "train" if is_train else "valid", host.config.check_data)
         if is_train:
             host.dls.train = dl
         elif host.dls.valid is None:
@@ -328,15 +336,12 @@ class Run:
                 fname=fname,
                 keep_previous=keep_previous,
                 components=self._components,
-                checks=[self._check_schedulers],
+                checks=[lambda: check_schedulers(self.host, self._setup_lrs, self._components, self._opt)],
             )
             self.host.add_cb(ckpt)
         elif every is not None and ckpt.every != every:
             ckpt.every = Checkpoint(every=every).every  # (checked as the constructor checks it)
         return ckpt.file
-
-    def _check_schedulers(self) -> None:
-        check_schedulers(self.host, self._setup_lrs, self._components, self._opt)
 
     def gather(self, value: Any) -> Any:
         """`value` (a tensor, or a tuple / list / dict of them, one row per item of this rank's batch)

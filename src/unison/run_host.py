@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 import unison.engine as engine
 from unison.callbacks.recorder import Recorder
 from unison.data.batch import to_device
+from unison.data.drawn import DrawnOrder
 from unison.data.stream import loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.strategy import ParallelConfig
@@ -36,6 +37,7 @@ from unison.events import (
 )
 
 __all__ = [
+    "LoaderOrders",
     "RunHost",
     "RunLoader",
     "RunOptimizer",
@@ -336,3 +338,26 @@ def check_schedulers(
             f"to {now:.3g}: its state would not be saved and a resume would restart it; pass it to "
             "run.setup(model, opt, scheduler) and step the scheduler that returns"
         )
+
+
+class LoaderOrders:
+    """Each map-style loader's epoch orders as the loader itself draws them (`unison.data.drawn`),
+    rank 0's generator states on every rank: a component of every checkpoint and torchft heal."""
+
+    def __init__(self, host: RunHost) -> None:
+        self.host = host
+        self.orders: list[DrawnOrder] = []
+
+    def add(self, dl: DataLoader) -> None:
+        drawn = DrawnOrder(dl)
+        drawn.load_state_dict(self.host.collective.broadcast_object(drawn.state_dict()))
+        self.orders.append(drawn)
+        self.host._shards.draw_from(dl, drawn)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"orders": [drawn.state_dict() for drawn in self.orders]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for drawn, saved in zip(self.orders, state["orders"], strict=False):
+            drawn.load_state_dict(saved)
+        self.host._shards.clear()  # the sharded loaders are made again, in the restored orders

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from unison.data.drawn import DrawnOrder
 from unison.data.permutation import pick_order
 from unison.data.plan import RankPlan, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import is_rank_sharded
@@ -151,6 +152,7 @@ class DistributedDL:
         seed: int | None = None,
         pad: bool = True,
         order: str = "auto",
+        drawn: DrawnOrder | None = None,
     ) -> None:
         if not isinstance(dl, DataLoader):
             raise TypeError(f"DistributedDL wraps a torch DataLoader, got {type(dl).__name__}")
@@ -184,6 +186,7 @@ class DistributedDL:
                 dist.broadcast_object_list(box, src=0)
                 seed = box[0]
         self.seed = int(seed)
+        self.drawn = drawn  # each epoch's order as `dl` itself draws it (else a function of the seed)
         self.order = pick_order(order, dl.sampler, dl.batch_size, announce=self.rank == 0)
         self.pad = pad
         self.epoch = 0
@@ -286,12 +289,18 @@ class DistributedDL:
             joined = [i for batch in self._dealt_batches(epoch) for i in batch]
             ints = all(isinstance(i, int) for i in joined)
             return torch.tensor(joined, dtype=torch.long) if ints else joined
+        if self.drawn is not None:
+            return self.drawn.order(self.sampler, epoch, self.order == "scalable")
         return sampler_order(self.sampler, _mix(self.seed, epoch), epoch, self.order == "scalable")
 
     def _dealt_batches(self, epoch: int) -> list[list[Any]]:
         """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""
         if self._dealt_cache is None or self._dealt_cache[0] != epoch:
-            batches = sampler_order(self._dl.batch_sampler, _mix(self.seed, epoch), epoch)
+            batch_sampler = self._dl.batch_sampler
+            if self.drawn is not None:
+                batches = self.drawn.order(batch_sampler, epoch)
+            else:
+                batches = sampler_order(batch_sampler, _mix(self.seed, epoch), epoch)
             self._dealt_cache = (epoch, [list(b) for b in batches])
         return self._dealt_cache[1]
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from unison.data.drawn import DrawnOrder
 from unison.data.loader import DistributedDL
 from unison.data.ranked import RankShardedLoader, is_rank_sharded
 from unison.data.stream import StreamDL
@@ -22,6 +23,12 @@ class LoaderShards:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, bool], tuple[DataLoader, RankShardedLoader]] = {}
+        self._drawn: dict[int, tuple[DataLoader, DrawnOrder]] = {}  # kept across clear()
+
+    def draw_from(self, dl: DataLoader, drawn: DrawnOrder) -> None:
+        """Shard `dl` in the orders `drawn` gives (as `dl` itself draws them), not the seed's."""
+        self._drawn[id(dl)] = (dl, drawn)
+        self._cache = {key: value for key, value in self._cache.items() if value[0] is not dl}
 
     def clear(self) -> None:
         self._cache.clear()
@@ -54,7 +61,9 @@ class LoaderShards:
                 steps = None if pad else steps_per_epoch  # bounds training epochs only
                 sharded = StreamDL(dl, collective.rank, world, collective, steps, seed=seed, split=split)
             else:
-                sharded = DistributedDL(dl, collective.rank, world, seed=seed, pad=pad)
+                own = self._drawn.get(id(dl))
+                drawn = own[1] if own is not None and own[0] is dl else None
+                sharded = DistributedDL(dl, collective.rank, world, seed=seed, pad=pad, drawn=drawn)
             self._cache[key] = (dl, sharded)
         sharded = self._cache[key][1]
         sharded.set_epoch(epoch)

@@ -1,0 +1,126 @@
+"""Each epoch's order drawn as the user's own `DataLoader` draws it: from its `generator` (or its
+sampler's), else from the global generator, as `RandomSampler` does. A one-process loop on
+`unison.Run` then trains on the very batches of the plain loop it replaced, and W processes deal
+that same global order.
+
+The generators' states are taken once (`DrawnOrder(dl)`, when the loop hands the loader over) and
+each epoch is replayed from them on copies: per epoch the `DataLoader` draws its worker base seed
+from its generator, then the sampler draws its order. The user's generators are never advanced, and
+the states are what a checkpoint keeps (`state_dict`), so a resume, at any W, draws the same orders.
+
+With no generator the global one is replayed from its state at hand-over: equal to the plain loop's
+order in every epoch when nothing else in the loop draws from the global generator (no dropout, no
+random augmentation); else equal in the first epoch, and still one order for every W.
+
+>>> drawn = DrawnOrder(DataLoader(ds, batch_size=8, shuffle=True, generator=g))   # doctest: +SKIP
+>>> drawn.order(dl.sampler, epoch=1)          # what the plain loop's second epoch iterates
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler
+
+from unison.data.permutation import PermutedOrder, draw_key
+from unison.data.plan import _fast_order
+
+__all__ = ["DrawnOrder"]
+
+_SAME = "same"  # the sampler draws from the loader's own generator (DataLoader(shuffle=True, generator=g))
+
+
+def _copy(state: Tensor | None) -> torch.Generator | None:
+    if state is None:
+        return None
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+class DrawnOrder:
+    """The orders of a `DataLoader`'s epochs as the loader itself would draw them (module docstring)."""
+
+    def __init__(self, dl: DataLoader) -> None:
+        loader_gen = dl.generator
+        sampler = dl.batch_sampler if dl.batch_size is None else dl.sampler
+        sampler_gen = getattr(sampler, "generator", None)
+        self._start = {
+            "loader": loader_gen.get_state() if loader_gen is not None else None,
+            "sampler": _SAME
+            if sampler_gen is not None and sampler_gen is loader_gen
+            else (sampler_gen.get_state() if sampler_gen is not None else None),
+            "global": torch.get_rng_state(),
+        }
+        self._starts: list[dict[str, Any]] = [self._start]  # the states at the start of epoch k
+        self._last: tuple[int, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' states at hand-over: every epoch's order follows from them."""
+        return dict(self._start)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._start = dict(state)
+        self._starts, self._last = [self._start], None
+
+    def order(self, sampler: Any, epoch: int, scalable: bool = False) -> Tensor | list[Any] | PermutedOrder:
+        """What `sampler` (the loader's sampler, or its batch sampler) yields in `epoch`."""
+        if self._last is not None and self._last[0] == epoch:
+            return self._last[1]
+        k = min(epoch, len(self._starts) - 1)
+        while True:
+            order, after = self._draw(sampler, self._starts[k], k, scalable)
+            if k == epoch:
+                break
+            k += 1
+            if k == len(self._starts):
+                self._starts.append(after)
+        self._last = (epoch, order)
+        return order
+
+    @staticmethod
+    def _draw(sampler: Any, state: dict[str, Any], epoch: int, scalable: bool) -> tuple[Any, dict[str, Any]]:
+        """One epoch from `state`: (its order, the states after it)."""
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        has_gen = hasattr(sampler, "generator")
+        saved = sampler.generator if has_gen else None
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state["global"])
+            loader_gen = _copy(state["loader"])
+            own = loader_gen if state["sampler"] == _SAME else _copy(state["sampler"])
+            draw_key(loader_gen)  # DataLoader.__iter__: the workers' base seed, from the loader's generator
+            try:
+                if has_gen:
+                    sampler.generator = own
+                order: Any = None
+                if scalable:
+                    order = PermutedOrder(len(sampler), draw_key(own))
+                elif type(sampler) is RandomSampler:
+                    # RandomSampler without a generator seeds a fresh one from the global generator
+                    generator = own if own is not None else torch.Generator().manual_seed(draw_key(None))
+                    order = _fast_order(sampler, generator)
+                    n = len(sampler.data_source)
+                    if (
+                        order is not None and n and sampler.num_samples % n == 0
+                    ):  # run to its end: one more draw
+                        torch.randperm(n, generator=generator)
+                else:  # a SequentialSampler: the identity, nothing drawn
+                    order = _fast_order(sampler, torch.Generator())
+                if order is None:
+                    order = list(sampler)
+                    if all(isinstance(i, int) for i in order):
+                        order = torch.tensor(order, dtype=torch.long)
+            finally:
+                if has_gen:
+                    sampler.generator = saved
+            after = {
+                "loader": loader_gen.get_state() if loader_gen is not None else None,
+                "sampler": _SAME
+                if state["sampler"] == _SAME
+                else (own.get_state() if own is not None else None),
+                "global": torch.get_rng_state(),
+            }
+        return order, after

@@ -36,6 +36,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks docs/*.py
 	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/*.py
 
+# mypy over src/unison ([tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
 # The manual (mkdocs.yml, docs/), strict: a broken link or reference, a page left out of the
 # nav or a docstring the API reference cannot read fails the build.
 docs: $(STAMP)

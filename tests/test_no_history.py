@@ -36,7 +36,6 @@ PATTERNS = {
 #: (file, the start of the line). Each must still be there (so the list only shrinks); empty it
 #: as they go.
 PENDING = {
-    ("docs/from-fastai.md", "2026-11-26 on this 2-core CPU machine:"),
     ("docs/own-loop.md", "(`unison launch --nproc 2 examples/eval_no_trainer.py`; measured 2026-11-26):"),
     ("docs/own-loop.md", "Three runs, 2026-11-26 05:07-05:28 UTC, on this project's 2-core machine"),
     ("docs/own-loop.md", "engineers' test suites (load average 4.5-16 on 2 cores"),

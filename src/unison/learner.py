@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -61,13 +61,14 @@ from unison.events import (
     fire,
 )
 from unison.learner_checks import check_devices, check_fit_args, check_learner_args
+from unison.learner_view import LoopState
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.optim import apply_lr, check_lr, group_lrs, make_optimizer
 from unison.predictions import collect_preds, predict_item
 
 
-class Learner:
+class Learner(LoopState):
     """Trains `model` on `dls` with `loss_func`, driving callbacks at each named event.
 
         learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(),
@@ -82,6 +83,8 @@ class Learner:
     (not exact). `on_preempt`: SIGTERM / SIGUSR1 stop every rank at one step, checkpointed, exit 75
     ("requeue": also requeue the SLURM job; None: Python's default; `unison.callbacks.preemption`).
     """
+
+    opt: torch.optim.Optimizer | None  # made by create_opt (fit); None before
 
     def __init__(
         self,
@@ -109,7 +112,8 @@ class Learner:
         self.steps_per_epoch = steps_per_epoch
         self.stream_split = check_stream_split(stream_split)
         # torch.compile'd once here; DDP later wraps the compiled module. Files keep the plain keys.
-        self.model = torch.compile(model, **({} if compile is True else compile)) if compile else model
+        compiled = torch.compile(model, **({} if compile is True else compile)) if compile else model
+        self.model = cast(nn.Module, compiled)  # torch.compile of a module: a module (stubs: Callable)
         self.loss_func = loss_func
         self.opt_func = opt_func
         self.lr = lr
@@ -173,9 +177,8 @@ class Learner:
     ) -> None:
         """Train for `n_epoch` epochs, validating after each. `lr`: every param group's LR keeping their
         ratios (a float), spread geometrically (`slice(lo, hi)`), or one per group (a list).
-        `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote.
-
-            learn.fit(3, lr=1e-3)
+        `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote:
+        `learn.fit(3, lr=1e-3)`, `learn.fit(10, resume=True)`.
         """
         check_fit_args(self, n_epoch, lr, cbs)
         with self.added_cbs(cbs), handling(self):  # preemption signals, handled while fit runs
@@ -202,9 +205,8 @@ class Learner:
         resume: bool = False,
     ) -> None:
         """`fit` with the one-cycle policy: LR warms up to `lr_max` then anneals; momentum mirrors it.
-        Each param group follows its own cycle: `lr_max` as in `fit(lr=...)` (`slice(1e-5, 1e-3)`).
-
-            learn.fit_one_cycle(5, lr_max=3e-3)
+        Each param group follows its own cycle: `lr_max` as in `fit(lr=...)` (`slice(1e-5, 1e-3)`):
+        `learn.fit_one_cycle(5, lr_max=3e-3)`.
         """
         if lr_max is not None:
             check_lr(lr_max)
@@ -277,7 +279,8 @@ class Learner:
         self("before_step")
         engine.optimizer_step(self)
         self("after_step")
-        self.opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]  (fit made it)
+        assert self.opt is not None  # fit made it
+        self.opt.zero_grad(set_to_none=True)
 
     @property
     def data_seed(self) -> int:
@@ -416,9 +419,8 @@ class Learner:
     ) -> Learner:
         """Train data-parallel across the processes of a launch (joins or makes the process group), with
         the strategy `unison.distributed.strategy.ParallelConfig` makes of the arguments: DDP, FSDP2
-        (`shard=True`: `ddp_kwargs` are `ShardedTrainer`'s), torchft (`fault_tolerant=True`).
-
-            learn.to_distributed(local_rank())   # a script that made its group; prefer distrib_ctx
+        (`shard=True`: `ddp_kwargs` are `ShardedTrainer`'s), torchft (`fault_tolerant=True`). A script
+        that made its group: `learn.to_distributed(local_rank())`; prefer `distrib_ctx`.
         """
         engine.attach_strategy(
             self, ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **ddp_kwargs)

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor, nn
 
 
-class LearnerView(Protocol):
-    """The learner's state a callback may read (and, where the loop allows it, set)."""
+class LoopState(Protocol):
+    """The learner's state a callback may read (and, where the loop allows it, set). The `Learner`
+    declares it by subclassing this (its values are set by `engine.init_loop_state`)."""
 
     # what is trained, on what
     model: nn.Module
@@ -64,7 +65,12 @@ class LearnerView(Protocol):
     _padded_xb: tuple[Any, ...]  # the inputs before padding rows were trimmed (an empty share's forward)
     redoes_by_loop: bool  # a failed torchft step is redone by the loop's body (the own loop), not in it
     redo_step: bool  # set when it must be: the own loop's loader then yields the step's new share
+    _shards: Any  # each loader's sharded form, kept across epochs (unison.data.sharding.LoaderShards)
     strategy: Any  # the parallel strategy (unison.distributed.strategy.Strategy), None outside one
+
+
+class LearnerView(LoopState, Protocol):
+    """What callbacks and trainers see of the learner: its state (`LoopState`) and the calls they make."""
 
     @property
     def checkpoint_format(self) -> str: ...
@@ -77,7 +83,7 @@ class LearnerView(Protocol):
 
     def __call__(self, event: str) -> None: ...
     def fit(self, n_epoch: int, lr: Any = None, cbs: Iterable[Any] = (), resume: bool = False) -> None: ...
-    def create_opt(self) -> None: ...
+    def create_opt(self) -> torch.optim.Optimizer | None: ...
     def set_collective(self, collective: Any) -> None: ...
     def add_cb(self, cb: Any) -> Any: ...
     def remove_cb(self, cb: Any) -> Any: ...

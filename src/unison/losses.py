@@ -19,7 +19,7 @@ subclassed, compiled or sharded causal LM is counted as it scored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ class SummedLoss(NamedTuple):
     """
 
     total: Tensor
-    count: Tensor | int | float
+    # A NamedTuple field may shadow tuple's own `count` method, which mypy refuses (python/mypy#4507).
+    count: Tensor | int | float  # type: ignore[assignment]
 
 
 class TokenCrossEntropy:
@@ -196,4 +197,4 @@ def zero_loss(pred: Any) -> Tensor:
     from unison.data.batch import tensors_in
 
     parts = [t.float().sum() for t in tensors_in(pred) if t.requires_grad and t.dim()]
-    return (sum(parts) * 0.0) if parts else torch.zeros(())
+    return (cast(Tensor, sum(parts)) * 0.0) if parts else torch.zeros(())

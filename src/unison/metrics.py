@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -134,8 +134,10 @@ class WeightedMean(Metric):
     """Mean of values added with weights (`add(value, n)`): a loss over samples, say."""
 
     sum_states = ("total", "count")
+    total: Tensor  # set by reset()
+    count: Tensor
 
-    def add(self, value: Tensor | float, n: int) -> None:
+    def add(self, value: Tensor | float, n: float) -> None:
         if n == 0:
             return
         value = torch.as_tensor(value).detach().float()
@@ -178,6 +180,8 @@ class AccumMetric(Metric):
     """
 
     cat_states = ("preds", "targets")
+    preds: list[Tensor]  # set by reset()
+    targets: list[Tensor]
 
     def __init__(
         self,
@@ -302,7 +306,7 @@ def as_metric(m: Metric | Callable[..., Any]) -> Metric:
                 f"metric {name!r} is not a mean over samples, so averaging it over batches would be wrong: "
                 f"pass AccumMetric({name}) (computed once over every prediction) or a torchmetrics Metric"
             )
-        return AvgMetric(m)
+        return AvgMetric(cast(Callable[..., Any], m))
     raise TypeError(f"metric {m!r} is neither a unison Metric nor a callable(pred, target)")
 
 

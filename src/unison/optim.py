@@ -12,7 +12,7 @@ float (`fit(lr=...)`, the one-cycle schedule).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def top_lr(lr: float | slice | Sequence[float]) -> float:
         return float(lr.stop)
     if isinstance(lr, (list, tuple)):
         return float(max(lr))
-    return float(lr)
+    return float(cast(float, lr))
 
 
 def group_lrs(
@@ -62,7 +62,7 @@ def group_lrs(
             raise ValueError(f"{len(lr)} learning rates given for {n_groups} param groups")
         return [float(v) for v in lr]
     ratios = list(ratios) if len(ratios) == n_groups else [1.0] * n_groups
-    return [float(lr) * r for r in ratios]
+    return [float(cast(float, lr)) * r for r in ratios]
 
 
 def make_optimizer(

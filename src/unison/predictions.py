@@ -37,7 +37,7 @@ class PredsCollector(Callback):
         if self.with_loss:
             self.losses.append(per_item_loss(learn.loss_func, learn.pred, *learn.yb).detach())
 
-    def gathered(self, collective: Collective, pad_value: float) -> tuple[Any, Any]:
+    def gathered(self, collective: Collective, pad_value: float) -> tuple[Any, ...]:
         """`(preds, targets)` of every rank, each leaf in dataset order, in the outputs' own structure."""
 
         def combine(t: Tensor) -> Tensor:
@@ -80,9 +80,9 @@ def check_per_item_loss(loss_func: Any) -> None:
         )
 
 
-def per_item_loss(loss_func: Callable[..., Tensor] | None, pred: Any, *targets: Any) -> Tensor:
+def per_item_loss(loss_func: Any, pred: Any, *targets: Any) -> Tensor:
     """`loss_func` unreduced (one value per item, or per token), through its `reduction` attribute
-    as torch's losses have it."""
+    as torch's losses have it (`nn.CrossEntropyLoss()`: a module, typed Any for that attribute)."""
     check_per_item_loss(loss_func)
     saved = loss_func.reduction
     loss_func.reduction = "none"

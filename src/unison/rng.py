@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,7 +39,9 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 def get_rng_state() -> dict[str, Any]:
     """Every generator's state on this process, as tensors and plain values (safe to save)."""
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    # the legacy form, a tuple (numpy's stub types it as that tuple or the dict form)
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = legacy
     state: dict[str, Any] = {
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],

@@ -189,7 +189,7 @@ class NonFiniteCheck(Callback):
         scaler = learn.scaler if learn.scaler is not None and learn.scaler.is_enabled() else None
         if not self._nonfinite(losses, scaler):
             return  # the hot path ends here
-        found = self._who(losses, learn.iter)
+        found: tuple[tuple[int, ...], float | None] | None = self._who(losses, learn.iter)
         what = "loss"
         if found is None:
             if scaler is not None:
@@ -350,7 +350,7 @@ def _flags(parts: list[Tensor], overflow: Tensor | None, exact: bool) -> Tensor:
     if parts and exact:
         flags.extend(~torch.isfinite(t).all() for t in parts)
     elif parts:
-        norms = torch._foreach_norm(parts, 2)  # one call for every tensor (as clip_grad_norm_)
+        norms = list(torch._foreach_norm(parts, 2))  # one call for every tensor (as clip_grad_norm_)
         dev, dtype = norms[0].device, norms[0].dtype
         if any(n.device != dev or n.dtype != dtype for n in norms):
             norms = [n.to(dev, torch.float32) for n in norms]
@@ -416,7 +416,7 @@ def _local_batchnorm(model: nn.Module) -> Iterator[None]:
     swapped = [m for m in model.modules() if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))]
     classes = [type(m) for m in swapped]
     for m in swapped:
-        m.__class__ = BatchNormNd
+        setattr(m, "__class__", BatchNormNd)  # noqa: B010 (mypy refuses a __class__ assignment)
     try:
         yield
     finally:

@@ -97,15 +97,21 @@ class Collective:
         total = sum(s[0] for s in sizes)
         out = t.new_full([total, *max_shape[1:]], pad_value, device=self.device)
         for r, part in enumerate(rows):
-            out[(slice(r, r + self.world_size * len(part), self.world_size), *trailing)] = part
+            index = (slice(r, r + self.world_size * len(part), self.world_size), *trailing)
+            out[index] = part
         return out.to(t.device)
+
+    def _group(self) -> dist.ProcessGroup:
+        """The group of an active collective (one is active only with a group)."""
+        assert self.group is not None
+        return self.group
 
     def agree(self, decision: bool) -> bool:
         """Rank 0's `decision`, on every rank: control flow never diverges."""
         if not self.active:
             return decision
         flag = torch.tensor([1 if decision else 0], device=self.device)
-        dist.broadcast(flag, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast(flag, src=dist.get_global_rank(self._group(), 0), group=self.group)
         return bool(flag.item())
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -114,7 +120,7 @@ class Collective:
             return obj
         box = [obj]
         dist.broadcast_object_list(
-            box, src=dist.get_global_rank(self.group, 0), group=self.group, device=self.device
+            box, src=dist.get_global_rank(self._group(), 0), group=self.group, device=self.device
         )
         return box[0]
 

@@ -69,14 +69,14 @@ class DistribEnv:
         local = _first_int(env, _LOCAL_RANK_VARS, 0)
         local_world = _first_int(env, _LOCAL_WORLD_VARS, world)
         _check_rank(rank, world)
-        port = env.get("MASTER_PORT")
+        port_text = env.get("MASTER_PORT")
         return cls(
             rank=rank,
             world_size=world,
             local_rank=local,
             local_world_size=local_world,
             master_addr=env.get("MASTER_ADDR") or None,
-            master_port=int(port) if port else None,
+            master_port=int(port_text) if port_text else None,
         )
 
 

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -326,7 +326,7 @@ class ShardedTrainer(Callback):
         if is_sharded(learn.model):
             twin = learn.model
             if not self._sync:
-                twin.set_requires_gradient_sync(True)
+                cast(FSDPModule, twin).set_requires_gradient_sync(True)
             original = self._original_model
             try:
                 weights = get_model_state_dict(twin, options=_FULL)
@@ -342,7 +342,7 @@ class ShardedTrainer(Callback):
                 weights = {}
             for name, param in original.named_parameters():
                 if name in weights:
-                    param.data = weights[name].to(param.dtype)
+                    param.data = cast(torch.Tensor, weights[name]).to(param.dtype)
             learn.model = original
             # Not gathered: the optimizer state (twice the weights, for Adam) would make the end of
             # training the peak of memory on every rank. The next fit starts a fresh optimizer;
@@ -366,7 +366,7 @@ class ShardedTrainer(Callback):
         # Accumulation micro-steps keep their gradients local: one reduce-scatter per step.
         sync = self.learn.grad_sync or not self.learn.training
         if sync != self._sync:
-            self.learn.model.set_requires_gradient_sync(sync)
+            cast(FSDPModule, self.learn.model).set_requires_gradient_sync(sync)
             self._sync = sync
 
     def before_backward(self) -> None:

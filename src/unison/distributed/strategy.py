@@ -44,7 +44,7 @@ class Strategy(Protocol):
     active: bool
 
     @property
-    def checkpoint_format(self) -> CheckpointFormat:
+    def checkpoint_format(self) -> str:
         """How a checkpoint of the model is written while this strategy is set up."""
         ...
 
@@ -139,7 +139,7 @@ def make_strategy(
         return FaultTolerantTrainer(
             timeout=config.timeout or 30.0, advertised_host=advertised_host, **options
         )
-    common = {"sync_bn": config.sync_bn, "timeout": config.timeout, "backend": config.backend}
+    common: dict[str, Any] = {"sync_bn": config.sync_bn, "timeout": config.timeout, "backend": config.backend}
     common["check_data"] = config.check_data
     if config.shard:
         from unison.distributed.sharded import ShardedTrainer

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
@@ -35,7 +35,7 @@ __all__ = [
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,  # torch's FunctionCtx: the attributes set on it below are ours
         x: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,

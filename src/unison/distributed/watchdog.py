@@ -186,7 +186,8 @@ class Watchdog:
                 file=sys.__stderr__,
                 flush=True,
             )
-            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+            if sys.__stderr__ is not None:
+                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         except (ValueError, AttributeError, OSError):  # no real stderr (embedded): nothing to show
             pass
 

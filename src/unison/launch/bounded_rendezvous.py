@@ -62,7 +62,7 @@ class BoundedBackend(RendezvousBackend):
 
 def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
-    limit = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
+    limit = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S) or DEFAULT_READ_TIMEOUT_S
     return create_handler(store, BoundedBackend(backend, limit, params.endpoint), params)
 
 

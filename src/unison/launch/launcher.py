@@ -317,8 +317,8 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
                 f"--master-port {master_port} is already in use on this machine (node 0 hosts the "
                 "rendezvous there): choose a free port"
             )
-    passed = ("rdzv_endpoint", "rdzv_id", "max_restarts", "timeout", "log_dir", "legacy_local_rank")
-    passed += ("all_ranks_stdout", "verbose", "backend")
+    passed: tuple[str, ...] = ("rdzv_endpoint", "rdzv_id", "max_restarts", "timeout", "log_dir")
+    passed += ("legacy_local_rank", "all_ranks_stdout", "verbose", "backend")
     return LaunchOptions(
         a.script, tuple(a.script_args), nproc, gpus, min_nodes, max_nodes, node_rank,
         master_addr, master_port, **{name: getattr(a, name) for name in passed}, torchrun=torchrun,
@@ -381,6 +381,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = gloo
     rdzv_timeout = math.ceil(opts.timeout) if opts.timeout is not None else None
+    local_addr: str | None  # this node's address for the rendezvous (None: torch's choice)
     if opts.mode == "standalone":  # one machine: nothing listens beyond loopback
         # The agents rendezvous through a file (no socket at all); workers get MASTER_ADDR
         # 127.0.0.1, where rank 0 hosts their store (setup_distrib binds it to loopback).
@@ -487,6 +488,7 @@ def launch(opts: LaunchOptions) -> int:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        assert plan.logs is not None  # the plan always has its log specs here
         relay = _bar_relay(plan.logs)
         with (
             served_lighthouse(opts.replica) as lighthouse,

@@ -207,14 +207,16 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
         )
     if a.lighthouse and not _ADDRESS.match(a.lighthouse):
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: expected http://host:port")
-    if a.lighthouse and not 0 < int(_ADDRESS.match(a.lighthouse).group(2)) < 65536:  # type: ignore[union-attr]
+    address = _ADDRESS.match(a.lighthouse) if a.lighthouse else None
+    if address is not None and not 0 < int(address.group(2)) < 65536:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
     timings = {field: getattr(a, field, None) for _, field, _ in _TIMINGS}
     for flag, field, _ in _TIMINGS:
         if timings[field] is not None and not a.start_lighthouse:
             raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
-        if timings[field] is not None and timings[field] < 1:
-            raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {timings[field]}")
+        value = timings[field]
+        if value is not None and value < 1:
+            raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {value}")
     for name in ("min_replicas", "lighthouse_port"):
         if getattr(a, name) is not None and not a.start_lighthouse:
             raise LighthouseOptionError(f"--{name.replace('_', '-')} needs --start-lighthouse")
@@ -259,9 +261,10 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
     env = {**os.environ, LIGHTHOUSE_PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        assert proc.stdout is not None  # stdout=PIPE
         try:
             ready, _, _ = select.select([proc.stdout], [], [], 60)
-            line = proc.stdout.readline().strip() if ready else ""  # type: ignore[union-attr]
+            line = proc.stdout.readline().strip() if ready else ""
             if not line.startswith(f"{LIGHTHOUSE_ENV}="):
                 if ready:  # it said something else and ended: its last line says why
                     proc.wait(timeout=10)

@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
+from typing import TextIO, cast
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs, Std
 
@@ -270,7 +271,7 @@ class _Console(io.TextIOBase):
     second piece of the line still open here goes on without its prefix; another rank's piece
     ends the open line first."""
 
-    def __init__(self, stream: io.TextIOBase, name: str, owner: RankLogsSpecs) -> None:
+    def __init__(self, stream: TextIO, name: str, owner: RankLogsSpecs) -> None:
         self._stream, self._name, self._owner = stream, name, owner
         self._gone = False
         self._mid_line = False  # the last text written did not end its line
@@ -352,7 +353,8 @@ class _AgentNotes(logging.Handler):
         msg = str(record.msg)
         with contextlib.suppress(TypeError, ValueError, IndexError):
             if msg.startswith("failed (exitcode: %s) local_rank: %s"):
-                self.failed = (int(record.args[0]), int(record.args[1]))  # type: ignore[index]
+                args = record.args if isinstance(record.args, tuple) else ()
+                self.failed = (int(cast(int, args[0])), int(cast(int, args[1])))
             elif msg.startswith("Unable to shutdown process"):
                 self.killed += 1
 

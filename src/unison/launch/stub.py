@@ -121,8 +121,8 @@ def run_in_zygote(path: str, argv: list[str]) -> None:
     ignored = [int(sig) for sig in catchable_signals() if signal.getsignal(sig) == signal.SIG_IGN]
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "ignored": ignored}
-    request = json.dumps(request).encode()
+    fields = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "ignored": ignored}
+    request = json.dumps(fields).encode()
     try:
         socket.send_fds(sock, [REQUEST_HEADER.pack(len(request))], [0, 1, 2])
         sock.sendall(request)

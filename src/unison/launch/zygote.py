@@ -78,8 +78,8 @@ _PR_SET_PDEATHSIG = 1
 # Variables read once, when a library loads (the dynamic loader, Python, libgomp, MKL, OpenBLAS,
 # torch's allocator, logging and compiler settings): a worker forked from a zygote that loaded
 # under another value would silently run with the zygote's, so such a worker starts cold instead.
-_LOAD_TIME_PREFIXES = ("LD_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTORCH_")
-_LOAD_TIME_PREFIXES += ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE")
+_LOAD_TIME_PREFIXES: tuple[str, ...] = ("LD_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
+_LOAD_TIME_PREFIXES += ("PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE")
 _LOAD_TIME_NAMES = ("THP_MEM_ALLOC_ENABLE", "TORCH_LOGS", "GOTO_NUM_THREADS")
 _APPLIED_BY_WORKER = ("OMP_NUM_THREADS",)  # `launch.worker.set_threads` applies it to torch
 

@@ -35,22 +35,7 @@ PATTERNS = {
 #: Lines in files that other work in progress owns (issues 47 and 48), to be rewritten there:
 #: (file, the start of the line). Each must still be there (so the list only shrinks); empty it
 #: as they go.
-PENDING = {
-    ("docs/own-loop.md", "(`unison launch --nproc 2 examples/eval_no_trainer.py`; measured 2026-11-26):"),
-    ("docs/own-loop.md", "Three runs, 2026-11-26 05:07-05:28 UTC, on this project's 2-core machine"),
-    ("docs/own-loop.md", "engineers' test suites (load average 4.5-16 on 2 cores"),
-    ("docs/own-loop.md", "timers around unison's parts, one process, two runs at load 5-6, per iteration):"),
-    ("docs/own-loop.md", "`Collective.start_sum`), against 78 ms steps at load 16."),
-    ("docs/own-loop.md", "Before this work the port measured 0.946 (0.715-1.187) in 5 rounds at load 7-8,"),
-    (
-        "src/unison/callbacks/recorder.py",
-        "reduces them after the batches (a resumed `recorder.losses` used to keep",
-    ),
-    (
-        "src/unison/checkpoint/callback.py",
-        "A read-only or forbidden folder used to be found by the first save,",
-    ),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def prose_files(root: Path) -> list[Path]:

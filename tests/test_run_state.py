@@ -350,3 +350,38 @@ def test_w_processes_follow_the_plain_loops_global_order(pool2, pool3, generator
     for pool in (pool2, pool3):
         for same_batches, diff in pool.run(_shuffled_parity, generator):
             assert same_batches and diff < 1e-9
+
+
+def test_mixed_precision_bf16_trains_as_a_plain_autocast_loop():
+    from unison import MixedPrecision
+
+    ds = _data(32)
+    x, y = ds.tensors[0].float(), ds.tensors[1]
+
+    def make():
+        model = _model(False).float()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, opt = make()
+    for b in range(0, 32, 8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x[b : b + 8]), y[b : b + 8], reduction="sum")
+        (loss / 8).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, opt = make()
+    with Run() as run:
+        run.add_cb(MixedPrecision("bf16"))
+        model, opt = run.setup(model, opt)
+        train = run.loader(DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+        for _ in run.epochs(1):
+            model.train()
+            for xb, yb in train:
+                out = model(xb)
+                assert out.dtype == torch.bfloat16  # under autocast
+                run.backward(run.loss(F.cross_entropy(out, yb, reduction="sum"), count=len(yb)))
+                opt.step()
+                opt.zero_grad()
+        got = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    assert _equal(got, want)[1] < 1e-5

@@ -295,7 +295,7 @@ def _progress_class() -> type[Callback]:
 
 def _global_means(ranks: list[dict[str, Any]]) -> list[float]:
     """The loss over every rank of each batch in the ranks' partial states, as `_global_batch_losses`
-    reduces them after the batches (a resumed `recorder.losses` used to keep rank 0's own instead)."""
+    reduces them after the batches: a resumed `recorder.losses` holds the global losses, not rank 0's own."""
     n = min(len(r["losses"]) for r in ranks)
     if n == 0:
         return []

@@ -112,9 +112,9 @@ class Checkpoint(Callback):
     def before_fit(self) -> None:
         """Refuse a checkpoint folder that cannot be written before the first step, on every rank.
 
-        A read-only or forbidden folder used to be found by the first save, after training had
-        begun; the ranks that write (rank 0, or every rank of a sharded model) try it now, and every
-        rank raises the same one-line `CheckpointError`, so none is left waiting in a collective.
+        The ranks that write (rank 0, or every rank of a sharded model) try the folder here, not at
+        the first save after training began, and every rank raises the same one-line
+        `CheckpointError`, so none is left waiting in a collective.
         """
         learn = self.learn
         writes = learn.collective.is_main or learn.checkpoint_format == "dcp"

@@ -172,3 +172,15 @@ def test_fastais_gradient_accumulation_steps_where_one_process_steps(tmp_path: P
     alone, ranks = rank_files(one, 1)[0], rank_files(three, 3)
     assert max_diff(ranks[0], ranks[2]) == 0.0
     assert max_diff(alone, ranks[0]) < TOL
+
+
+def test_a_ranks_own_error_is_reported_as_its_own_not_as_a_stall(tmp_path: Path) -> None:
+    """A layer the model never calls: DDP raises its own error on every rank, and the job reports it
+    (naming the parameters and the fix, find_unused_parameters) instead of a stalled rank."""
+    script = ROOT / "tests" / "scripts" / "fastai_unused_parameter.py"
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_or_report(cmd, 300, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "did not receive grad" in proc.stderr and "find_unused_parameters" in proc.stderr
+    assert "stopped taking part" not in proc.stderr

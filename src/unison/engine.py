@@ -30,6 +30,7 @@ from unison.data.stream import loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.joining import check_loaders_agree
 from unison.distributed.strategy import ParallelConfig, Strategy, make_strategy
+from unison.distributed.watchdog import is_peer_failure
 from unison.exact_loss import ExactLoss
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def name_stalled_rank(host: LearnerView, exc: BaseException) -> None:
     """A collective that failed because another rank stopped: raise the error naming that rank.
     (Only a RuntimeError can be one: this rank's own ValueError or TypeError is its own cause.)"""
     strategy = host.strategy
-    if not isinstance(exc, RuntimeError) or strategy is None:
+    if not isinstance(exc, RuntimeError) or not is_peer_failure(exc) or strategy is None:
         return
     stalled = strategy.diagnose()
     if stalled is not None:

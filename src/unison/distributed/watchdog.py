@@ -48,6 +48,24 @@ def _stop_all() -> None:
         dog.stop()
 
 
+#: Words of torch's own messages for a collective that failed because a peer did not take part
+#: (gloo's and NCCL's transport errors and timeouts; c10d's store raises a `DistError`).
+_PEER_FAILURE_WORDS = (
+    "gloo",
+    "NCCL",
+    "Application timeout",
+    "Connection closed",
+    "Connection reset",
+    "Broken pipe",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed because of another rank, not this rank's own
+    error (DDP's unused-parameter check, a file it could not read): only the former is a stall."""
+    return isinstance(exc, dist.DistError) or any(word in str(exc) for word in _PEER_FAILURE_WORDS)
+
+
 class RankStalledError(RuntimeError):
     """A collective failed because another rank stopped taking part; the message names it."""
 

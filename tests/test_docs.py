@@ -27,9 +27,9 @@ DOCS = ROOT / "docs"
 MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 BLOCK_TIMEOUT_S = 300
 
-#: Blocks of the README sections being rewritten now (Streaming, Faults and resume, Sharded
-#: training), which cannot carry their `<!-- not-run -->` line yet: by their first line.
-UNMARKED_FRAGMENTS: dict[str, str] = {}  # every fragment now carries its own not-run marker
+#: Blocks that cannot carry their `<!-- not-run -->` line, by their first line (none: every
+#: fragment carries its own marker).
+UNMARKED_FRAGMENTS: dict[str, str] = {}
 
 
 def _load(name: str):

@@ -96,7 +96,7 @@ class Callback:
         return f"{type(self).__name__}(order={self.order})"
 
 
-def attach_callback(host: Any, cb: Callback | type[Callback]) -> Callback:
+def attach_callback(host: LearnerView, cb: Callback | type[Callback]) -> Callback:
     """Attach `cb` (an instance, or a class to instantiate with no arguments) to `host`'s callbacks,
     kept sorted by `order`: what `Learner.add_cb` and the own-loop `Run` do.
 
@@ -120,7 +120,7 @@ def fire(cbs: list[Callback], event: str) -> None:
             handler()
 
 
-def detach_callback(host: Any, cb: Callback | type[Callback]) -> None:
+def detach_callback(host: LearnerView, cb: Callback | type[Callback]) -> None:
     """Detach a callback instance, or every callback of a class, from `host`."""
     if isinstance(cb, type):
         host.cbs = [c for c in host.cbs if not isinstance(c, cb)]
@@ -129,7 +129,7 @@ def detach_callback(host: Any, cb: Callback | type[Callback]) -> None:
 
 
 @contextlib.contextmanager
-def attached_callbacks(host: Any, cbs: Iterable[Callback | type[Callback]]) -> Iterator[None]:
+def attached_callbacks(host: LearnerView, cbs: Iterable[Callback | type[Callback]]) -> Iterator[None]:
     """Callbacks attached to `host` for the duration of a `with` block."""
     added = [attach_callback(host, cb) for cb in cbs]
     try:

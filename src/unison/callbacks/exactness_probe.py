@@ -26,13 +26,16 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from unison.callbacks.core import Callback, CancelFitException, CancelTrainException
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
+
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
 
 #: Version of the file's layout.
 PROBE_FORMAT = 1
@@ -41,7 +44,7 @@ PROBE_FORMAT = 1
 _claimed: list[bool] = [False]
 
 
-def attach_if_checking(learn: Any) -> ExactnessProbe | None:
+def attach_if_checking(learn: LearnerView) -> ExactnessProbe | None:
     """Add an `ExactnessProbe` to `learn` when `unison check-exact` runs this script; else nothing."""
     path = os.environ.get(PROBE_ENV)
     if not path:
@@ -70,7 +73,7 @@ def to_float64(obj: Any) -> Any:
     return obj
 
 
-def full_state(learn: Any) -> dict[str, Tensor]:
+def full_state(learn: LearnerView) -> dict[str, Tensor]:
     """The model's state dict as plain CPU tensors (FSDP2 shards gathered: every rank calls it)."""
     out: dict[str, Tensor] = {}
     for name, value in learn.raw_model.state_dict().items():
@@ -92,7 +95,7 @@ def fingerprint(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return prints
 
 
-def note_gradient_sizes(learn: Any, ratios: dict[str, float]) -> None:
+def note_gradient_sizes(learn: LearnerView, ratios: dict[str, float]) -> None:
     """Keep in `ratios`, per parameter, the largest over steps of max|grad| / (the model's max|grad|).
 
     A parameter whose true gradient is zero (a bias that a following BatchNorm cancels) has a

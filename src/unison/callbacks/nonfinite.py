@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,9 @@ from torch import Tensor, nn
 from unison.callbacks.core import Callback, CancelBatchException
 from unison.distributed.fsdp import is_sharded
 from unison.rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
 
 Mode = Literal["stop", "skip", "anomaly"]
 MODES: tuple[str, ...] = ("stop", "skip", "anomaly")
@@ -424,7 +427,7 @@ def _local_batchnorm(model: nn.Module) -> Iterator[None]:
             m.__class__ = cls
 
 
-def _autocast_of(learn: Any) -> contextlib.AbstractContextManager[Any]:
+def _autocast_of(learn: LearnerView) -> contextlib.AbstractContextManager[Any]:
     """The autocast the training forward ran under (`MixedPrecision`), for a faithful retrace."""
     from unison.callbacks.precision import MixedPrecision
 

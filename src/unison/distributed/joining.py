@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,11 @@ from unison.distributed.env import group_active
 from unison.distributed.group import destroy_group, resolve_timeout
 from unison.distributed.watchdog import RankStalledError, Watchdog
 
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
 
-def training_device(learn: Any, cuda_id: int | None, backend: str | None = None) -> torch.device:
+
+def training_device(learn: LearnerView, cuda_id: int | None, backend: str | None = None) -> torch.device:
     """The device a distributed learner trains on: the local rank's GPU (or `cuda_id`) under CUDA,
     else the model's.
 
@@ -45,7 +48,7 @@ def training_device(learn: Any, cuda_id: int | None, backend: str | None = None)
     return pick_device(group_backend, cuda_id, local_rank, n_gpus, learn.device, force_cpu=force_cpu)
 
 
-def make_collective(learn: Any, device: torch.device, check_data: bool = True) -> Collective:
+def make_collective(learn: LearnerView, device: torch.device, check_data: bool = True) -> Collective:
     """The WORLD group's `Collective`, after checking every loader can be sharded and every rank
     holds the same data."""
     refuse_unshardable(learn, dist.get_world_size())
@@ -54,7 +57,7 @@ def make_collective(learn: Any, device: torch.device, check_data: bool = True) -
     return collective
 
 
-def refuse_unshardable(learn: Any, world_size: int) -> None:
+def refuse_unshardable(learn: LearnerView, world_size: int) -> None:
     """A loader that cannot be sharded fails here, at entry, not after a training epoch."""
     for name, dl in (("train", learn.dls.train), ("valid", learn.dls.valid)):
         problem = shard_problem(dl) if dl is not None else None
@@ -65,14 +68,14 @@ def refuse_unshardable(learn: Any, world_size: int) -> None:
             )
 
 
-def join_collective(learn: Any, collective: Collective) -> None:
+def join_collective(learn: LearnerView, collective: Collective) -> None:
     """Point `learn` at `collective` and give every rank rank 0's data seed (one data order)."""
     learn.set_collective(collective)
     learn.data_seed = collective.broadcast_object(learn.data_seed)
 
 
 def check_loaders_agree(
-    learn: Any, collective: Collective, check_data: bool = True, loaders: Any = None
+    learn: LearnerView, collective: Collective, check_data: bool = True, loaders: Any = None
 ) -> None:
     """Every rank must hold the same data: a loader of different length would desynchronise them,
     and different items (random data made without `set_seed`, another file per node) would mix.
@@ -129,7 +132,7 @@ class RankMonitor:
         wait = timedelta(seconds=self.timeout)
         dist.monitored_barrier(group=self._barrier_group, timeout=wait, wait_all_ranks=True)
 
-    def progress(self, learn: Any, stage: int) -> None:
+    def progress(self, learn: LearnerView, stage: int) -> None:
         self.watchdog.progress(learn.epoch, 0 if learn.training else 1, learn.iter, stage)
 
     def diagnose(self) -> RankStalledError | None:

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from unison.distributed.joining import RankMonitor, join_collective, make_collec
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
+
+if TYPE_CHECKING:
+    from unison.learner_view import LearnerView
 
 BlockPolicy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
@@ -168,7 +171,7 @@ def _optimizer_state(
 
 
 def _rebuilt_optimizer(
-    learn: Any,
+    learn: LearnerView,
     model: nn.Module,
     old: torch.optim.Optimizer,
     state: dict[str, Any] | None,

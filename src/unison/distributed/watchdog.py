@@ -186,6 +186,12 @@ class Watchdog:
         except Exception:
             self._store = None  # the store is gone: the job is ending
 
+    def _lag(self) -> str:
+        """A stored position is the rank's last heartbeat: a rank that died may have gone further."""
+        return (
+            f" (as last reported: heartbeats come every {self.interval:g} s, fast batches run ahead of them)"
+        )
+
     def _exit_if_another_stalled(self) -> None:
         """Name the rank that stopped and end this process (exit code 1), before NCCL's watchdog
         aborts it without a word; the stalled rank itself waits to be stopped by the launcher."""
@@ -281,7 +287,7 @@ class Watchdog:
             r = silent[0]
             return RankStalledError(
                 f"rank {r} stopped taking part: no heartbeat for {now - beats[r]['t']:.0f} s "
-                f"({_silent_because()}), last at {_where(beats[r]['at'])}",
+                f"({_silent_because()}), last reported at {_where(beats[r]['at'])}{self._lag()}",
                 r,
             )
         positions = {r: tuple(b["at"]) for r, b in beats.items()}
@@ -298,8 +304,8 @@ class Watchdog:
         if positions[lagging] < ahead:
             return RankStalledError(
                 f"rank {lagging} stopped taking part: stuck at {_where(positions[lagging])} while others "
-                f"reached {_where(ahead)}, or its process ended there (if stuck, its Python stacks go to "
-                f"its stderr after {self.timeout:.0f} s without progress)",
+                f"reached {_where(ahead)}, or its process ended there{self._lag()} (if stuck, its Python "
+                f"stacks go to its stderr after {self.timeout:.0f} s without progress)",
                 lagging,
             )
         return None

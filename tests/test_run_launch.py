@@ -71,11 +71,12 @@ def test_a_sigkilled_rank_resumes_mid_epoch_to_the_plain_loops_weights(tmp_path:
 
 def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weights(tmp_path: Path) -> None:
     """Rank 0 is healthy but slow after the signal (it finishes its step STALL_S + 2 s later): it is
-    not taken for a hung rank and killed (exit 143, no checkpoint), as it was before 2026-11-27."""
+    not taken for a hung rank and killed (exit 143, no checkpoint). The message names the own loop's
+    resume, and the resumed job's OneCycleLR (given to run.setup) continues where it stopped."""
     from unison.callbacks.preemption import STALL_S
 
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path)]
-    cmd += ["--bs", "8", "--wait-at", "3", "--slow-after-signal", str(STALL_S + 2)]
+    cmd += ["--bs", "8", "--wait-at", "3", "--slow-after-signal", str(STALL_S + 2), "--sched"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "waiting").exists():
@@ -88,12 +89,14 @@ def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weigh
     assert proc.returncode == 75, err[-30000:]
     # at the step boundary where the ranks next compare notes (about every 0.5 s), or the epoch's end
     stopped = r"preempted by SIGTERM: every rank stopped (in epoch \d, after step \d|at the end of epoch \d)"
-    assert re.search(stopped + r"; checkpoint written to", err), err
+    assert re.search(
+        stopped + r"; checkpoint written to .*: resubmit with run\.epochs\(n, resume=True\)", err
+    ), err
     assert not (tmp_path / "final.pt").exists()
     (tmp_path / "waiting").unlink()
-    again = launch(tmp_path, (), "--bs", "8")
+    again = launch(tmp_path, (), "--bs", "8", "--sched")  # its OneCycleLR continues from the checkpoint
     assert again.returncode == 0, again.stderr[-3000:]
-    assert final_diff(tmp_path) < TOL
+    assert final_diff(tmp_path, sched=True) < TOL
 
 
 def test_the_uninterrupted_one_process_run_is_the_plain_loop(tmp_path: Path) -> None:

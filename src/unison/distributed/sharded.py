@@ -365,7 +365,8 @@ class ShardedTrainer(Callback):
     def before_batch(self) -> None:
         if not self.active:
             return
-        self.monitor.progress(self.learn, 0)  # type: ignore[union-attr]
+        assert self.monitor is not None  # an active setup made it
+        self.monitor.progress(self.learn, 0)
         # Accumulation micro-steps keep their gradients local: one reduce-scatter per step.
         sync = self.learn.grad_sync or not self.learn.training
         if sync != self._sync:

@@ -177,7 +177,7 @@ class _Relayed(io.TextIOBase):
         return self._stream.isatty()
 
     @property
-    def encoding(self) -> str:  # type: ignore[override]
+    def encoding(self) -> str:  # type: ignore[override]  # typeshed: a plain attribute; io's a property
         return getattr(self._stream, "encoding", "utf-8")
 
     def writable(self) -> bool:

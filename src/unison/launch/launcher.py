@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LAUNCHER_THREADS_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
@@ -188,7 +189,7 @@ class LaunchOptions:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]  # one line, not usage + error
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
         raise LaunchError(f"{message} (see unison launch --help)")
 
 
@@ -487,7 +488,8 @@ def launch(opts: LaunchOptions) -> int:
         if keep_logs and not opts.log_dir:
             print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
-            sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+            if isinstance(sys.stdout, io.TextIOWrapper):
+                sys.stdout.reconfigure(line_buffering=True)
         assert plan.logs is not None  # the plan always has its log specs here
         relay = _bar_relay(plan.logs)
         with (

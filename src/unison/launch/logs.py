@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import TextIO, cast
+from typing import Any, TextIO, cast
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs, Std
 
@@ -254,8 +254,8 @@ class HeldPortLogsSpecs(DefaultLogsSpecs):
     >>> specs = HeldPortLogsSpecs(log_dir="/tmp/logs")
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.store_port = StorePortHold()
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
@@ -323,7 +323,7 @@ class _Console(io.TextIOBase):
         return self._stream.fileno()
 
     @property
-    def encoding(self) -> str:  # type: ignore[override]
+    def encoding(self) -> str:  # type: ignore[override]  # typeshed: a plain attribute; io's a property
         return getattr(self._stream, "encoding", "utf-8")
 
     def isatty(self) -> bool:

@@ -237,7 +237,8 @@ def end_process(status: int) -> NoReturn:
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
-            stream.flush()  # type: ignore[union-attr]
+            if stream is not None:
+                stream.flush()
     os._exit(status)
 
 

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from unison.env_names import LAUNCHER_PID_ENV, PRELOADED_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
@@ -377,7 +377,7 @@ def serve(path: str) -> NoReturn:
             else:  # a stub's connection: it only ever closes, when the stub is gone
                 pid = key.data
                 with contextlib.suppress(BlockingIOError, ConnectionError):
-                    if key.fileobj.recv(64):  # type: ignore[union-attr]
+                    if cast(socket.socket, key.fileobj).recv(64):
                         continue
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)  # its stub was killed: so is the worker, as a cold one

@@ -385,3 +385,34 @@ def test_mixed_precision_bf16_trains_as_a_plain_autocast_loop():
                 opt.zero_grad()
         got = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     assert _equal(got, want)[1] < 1e-5
+
+
+def _sharded_with_scheduler(tmp):
+    """Run(shard=True) rebuilds the optimizer over the shards: the scheduler drives the rebuilt one."""
+    import warnings
+
+    world = torch.distributed.get_world_size()
+    ds = _data(45)
+    original = _model(False)
+    raw = _opt(original)
+    with warnings.catch_warnings(record=True) as caught, Run(shard=True, accumulate=2, path=tmp) as run:
+        warnings.simplefilter("always")
+        model, opt, sched = run.setup(original, raw, _sched(raw))
+        train = run.loader(DataLoader(ds, batch_size=4 // world))
+        run.checkpoint()
+        for _ in run.epochs(EPOCHS):
+            model.train()
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+    weights = {k: v.detach().clone() for k, v in original.state_dict().items()}
+    expected, _ = plain_loop(ds)
+    lr_warnings = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    return _equal(weights, expected)[1], lr_warnings
+
+
+def test_a_scheduler_drives_the_optimizer_fsdp2_rebuilds(pool2, tmp_path):
+    for diff, lr_warnings in pool2.run(_sharded_with_scheduler, str(tmp_path)):
+        assert diff < 1e-9 and lr_warnings == []

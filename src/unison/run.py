@@ -66,6 +66,7 @@ from unison.run_host import (
     RunScheduler,
     check_schedulers,
     require_training_batch,
+    track_steps,
 )
 
 __all__ = ["Run"]
@@ -143,14 +144,11 @@ class Run:
             raise RuntimeError("Run.setup was called already: one model and optimizer per Run")
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"Run.setup(model, opt): opt must be a torch optimizer, got {type(opt).__name__}")
-        if scheduler is not None:
-            if opt is None:
-                raise ValueError(
-                    "Run.setup(model, scheduler=...): give its optimizer too, run.setup(model, opt, sched)"
-                )
-            problem = stateful_problem(scheduler)
-            if problem is not None:
-                raise TypeError(f"Run.setup(model, opt, scheduler): {problem}")
+        problem = stateful_problem(scheduler) if scheduler is not None else None
+        if problem is not None or (scheduler is not None and opt is None):
+            raise TypeError(
+                f"Run.setup(model, opt, scheduler): {problem or 'a scheduler needs its optimizer'}"
+            )
         host.model = model
         if opt is not None:
             host.opt, host.lr = opt, opt.defaults.get("lr")
@@ -173,6 +171,7 @@ class Run:
             return host.model, self._opt
         if host.opt is not opt and getattr(scheduler, "optimizer", None) is opt:
             scheduler.optimizer = host.opt  # (FSDP2's rebuilt optimizer, with the same groups' values)
+            track_steps(host.opt)
         self._components["scheduler"] = scheduler
         return host.model, self._opt, RunScheduler(host, scheduler)
 

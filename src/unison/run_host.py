@@ -44,6 +44,7 @@ __all__ = [
     "RunScheduler",
     "check_schedulers",
     "require_training_batch",
+    "track_steps",
 ]
 
 
@@ -361,3 +362,18 @@ class LoaderOrders:
         for drawn, saved in zip(self.orders, state["orders"], strict=False):
             drawn.load_state_dict(saved)
         self.host._shards.clear()  # the sharded loaders are made again, in the restored orders
+
+
+def track_steps(opt: torch.optim.Optimizer) -> None:
+    """Mark `opt.step` as a torch LR scheduler marks the optimizer it is built on (it checks that the
+    optimizer stepped before it): for the optimizer FSDP2 rebuilds under a scheduler built before."""
+    step = opt.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = tracked  # type: ignore[method-assign]

@@ -29,7 +29,9 @@ the same items, re-split among those left (`run.redoing` is True in the failed p
 `opt.step()` is skipped); a replacement heals from a live peer and joins.
 
 Refused in one line, never silently wrong: `run.loss` without `count` (a loss averaged on each rank
-weighs ranks, not items); with `fault_tolerant=True`: `accumulate > 1`, `shard=True`, BatchNorm.
+weighs ranks, not items), its `.backward()` outside `run.backward`, a training pass over a raw
+DataLoader, a scheduler moving the LR unknown to unison (at the first checkpoint); with
+`fault_tolerant=True`: `accumulate > 1`, `shard=True`, BatchNorm.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class Run:
 
     Options are `distrib_ctx`'s (`shard`, `fault_tolerant`: True or `FaultTolerantTrainer`'s options,
     `sync_bn`, `timeout`, `cuda_id`, `backend`, `check_data`, DDP's or FSDP2's keyword arguments)
-    and: `accumulate` (optimizer steps every k batches, the gradient that of the k batches together),
+    and: `accumulate` (optimizer steps every k batches, the gradient that of the k batches together:
+    a global batch of B on W processes is a loader batch of B / (W x k), B divisible by W x k),
     `path`/`model_dir` (where checkpoints go), `on_nonfinite` ("stop" or "skip"), `on_preempt`
     ("stop", "requeue" or None).
     `run.recorder` holds each epoch's exact training (and validation) loss.
@@ -121,11 +124,9 @@ class Run:
                 cb.resume_as = "run.epochs(n, resume=True)"
         self._stack = contextlib.ExitStack()
         self._open = False
-        #: What checkpoints and torchft heals carry besides model and optimizer, by name.
-        self._orders = LoaderOrders(self.host)
+        self._orders = LoaderOrders(self.host)  # what checkpoints and heals carry besides model and opt:
         self._components: dict[str, Any] = {"data_order": self._orders}
-        self._setup_lrs: list[Any] | None = None  # each param group's LR as `setup` left it
-        self._opt: RunOptimizer | None = None
+        self._setup_lrs, self._opt = None, None  # each group's LR as `setup` left it; its optimizer
         self._backwarding = False  # inside run.backward: the loss's own .backward() is refused outside it
 
     # ---- the loop's parts ----------------------------------------------------------------

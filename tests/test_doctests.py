@@ -31,7 +31,7 @@ NOT_YET = {
     "unison.distributed.fault_tolerant",
     "unison.distributed.trainer",  # being edited in the working tree by other work
 }
-NOT_YET_PREFIXES = ("unison.checkpoint", "unison.data", "unison.fastai", "unison.distributed.ft_")
+NOT_YET_PREFIXES = ("unison.checkpoint", "unison.data", "unison.distributed.ft_")
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

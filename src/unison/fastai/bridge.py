@@ -124,7 +124,7 @@ class UnisonBridge(fastai_core.Callback):
         self.opt_at_setup = learn.opt
         host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
         host.model, host.loss_func = learn.model, learn.loss_func
-        host.recorder = RecorderView(learn)
+        self.recorder = host.recorder = RecorderView(learn)
         host.add_cb(NonFiniteCheck("stop"))
         probe = attach_if_checking(host)  # only under `unison check-exact` (float64 before any wrapper)
         self.float64_probe = probe is not None and probe.float64
@@ -313,7 +313,7 @@ class UnisonBridge(fastai_core.Callback):
     def after_cancel_epoch(self) -> None:
         # A finished epoch passed by a resumed fit: fastai's Recorder logs and keeps its row again,
         # so the table, `recorder.values` and the trackers that read them are the uninterrupted run's.
-        rows = self.host.recorder.rows
+        rows = self.recorder.rows
         if self.skipping and self.learn.epoch < len(rows):
             self.learn.recorder.log = L([self.learn.epoch, *rows[self.learn.epoch]])
 
@@ -374,7 +374,7 @@ class UnisonBridge(fastai_core.Callback):
         learn.pred = map_tensors(lambda t: gather(take_rows(t, real)), learn.pred)
         learn.yb = tuple(map_tensors(lambda t: gather(take_rows(t, real)), y) for y in learn.yb)
         gathering = getattr(learn, "gather_preds", None)
-        if getattr(gathering, "with_input", False) and gathering.inputs:
+        if gathering is not None and getattr(gathering, "with_input", False) and gathering.inputs:
             # get_preds(with_input=True) kept this rank's inputs at before_batch: every rank's instead
             inputs = tuple(map_tensors(lambda t: gather(take_rows(t, real)), x) for x in learn.xb)
             gathering.inputs[-1] = learn.to_detach(inputs)
@@ -421,7 +421,7 @@ class UnisonBridge(fastai_core.Callback):
             learn.loss = (summed[0] / summed[1]).to(learn.loss.dtype)  # the global batch's loss, recorded
         self.fire("after_backward")
         if not self.sweep:
-            self.host.recorder.losses.append(float(learn.loss.detach()))
+            self.recorder.losses.append(float(learn.loss.detach()))
         if self.float64_probe and learn.loss.dtype == torch.float64:
             # fastai's smoothed loss is float32 whatever the model (its `tensor()` casts float64), and
             # refuses a float64 loss: under `check-exact --float64` it gets the loss as float32.

@@ -36,7 +36,7 @@ def to_distributed(
     `learn.path / learn.model_dir`), `resume=True` (the next fit continues from the newest one, mid-epoch:
     with `unison launch --max-restarts`, a killed job comes back to the uninterrupted weights).
 
-    >>> learn = to_distributed(tabular_learner(dls, metrics=accuracy))   # doctest: +SKIP
+        learn = to_distributed(tabular_learner(dls, metrics=accuracy))
     """
     if get_bridge(learn) is not None:
         raise RuntimeError("unison.fastai.to_distributed: this Learner is distributed already")
@@ -79,8 +79,8 @@ def distrib_ctx(learn: Any, **options: Any) -> Iterator[Any]:
     (`checkpoint_every`, `resume`), a preemption signal (SIGTERM, SIGUSR1) checkpoints every rank at
     one step and exits 75; the job started again with `resume=True` continues there.
 
-    >>> with distrib_ctx(learn):                                        # doctest: +SKIP
-    ...     learn.fit_one_cycle(3, 1e-2)
+        with distrib_ctx(learn):
+            learn.fit_one_cycle(3, 1e-2)
     """
     to_distributed(learn, **options)
     bridge = get_bridge(learn)

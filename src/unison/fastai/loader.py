@@ -14,7 +14,7 @@ Batches are made by the wrapped loader (its `create_batches`, transforms, device
 own `DistributedDL` does; unlike it, nothing here broadcasts through `.cuda()` and no padded item
 is ever counted.
 
->>> sharded = RankShardedFastaiDL(dls.train, rank=1, world_size=2, pad=False)   # doctest: +SKIP
+    sharded = RankShardedFastaiDL(dls.train, rank=1, world_size=2, pad=False)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fastai.data.core import TfmdDL
 from fastai.data.load import _FakeLoader
 from fastai.torch_core import to_detach
 
-from unison.data.plan import RankPlan, strided_plan
+from unison.data.plan import PositionPlan, RankPlan, strided_plan
 
 __all__ = ["RankShardedFastaiDL", "check_loaders_agree"]
 
@@ -51,7 +51,7 @@ class RankShardedFastaiDL(TfmdDL):
             persistent_workers=fake.persistent_workers,
             pin_memory_device=fake.pin_memory_device,
         )
-        self._plan = RankPlan([], [0], [])
+        self._plan: RankPlan | PositionPlan = RankPlan([], [0], [])
         self._start = 0
         self.on_drawn: Any = None  # called once after the next epoch's order is drawn (a resume)
 

@@ -152,3 +152,30 @@ def test_the_environment_contract_is_named_in_one_module():
         if isinstance(target, ast.Name) and target.id.endswith("_ENV")
     ]
     assert elsewhere == []
+
+
+def test_each_lazy_package_names_its_exports_once_for_type_checkers_and_once_for_the_loader():
+    """A package whose names load on first use lists each twice: under TYPE_CHECKING (what type
+    checkers read) and in `_EXPORTS` (name -> module, what the loader imports; `__all__` is its keys).
+    The two must agree, module for module."""
+    for init in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        exports = next(
+            (
+                node.value
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets)
+            ),
+            None,
+        )
+        if exports is None:
+            continue
+        loaded = {key.value: value.value for key, value in zip(exports.keys, exports.values, strict=True)}
+        checked = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                for imp in node.body:
+                    if isinstance(imp, ast.ImportFrom):
+                        checked.update({alias.name: imp.module for alias in imp.names})
+        assert checked == loaded, init

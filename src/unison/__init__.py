@@ -8,6 +8,9 @@ For example:
         learn.fit_one_cycle(3)
 """
 
+# The names under TYPE_CHECKING are for type checkers; `__all__` is `_EXPORTS`' keys
+# (tests/test_layout.py keeps the two alike).
+# ruff: noqa: F401
 from typing import TYPE_CHECKING
 
 from unison.lazy import lazy_exports
@@ -119,53 +122,4 @@ _EXPORTS = {
 
 __getattr__, __dir__ = lazy_exports("unison", _EXPORTS, globals())
 
-__all__ = [
-    "AccumMetric",
-    "AvgMetric",
-    "CSVLogger",
-    "Callback",
-    "CancelBatchException",
-    "CancelEpochException",
-    "CancelFitException",
-    "CancelTrainException",
-    "CancelValidException",
-    "Checkpoint",
-    "CheckpointError",
-    "export_state_dict",
-    "DataLoaders",
-    "EVENTS",
-    "EarlyStopping",
-    "GradientAccumulation",
-    "GradientClip",
-    "LRFinder",
-    "LRSchedulerCallback",
-    "Learner",
-    "Run",
-    "Metric",
-    "MixedPrecision",
-    "OneCycleScheduler",
-    "ProgressCallback",
-    "Recorder",
-    "SaveModelCallback",
-    "SpawnError",
-    "NonFiniteCheck",
-    "NonFiniteError",
-    "NonFiniteWarning",
-    "Preempted",
-    "Preemption",
-    "SummedLoss",
-    "TensorBoardLogger",
-    "WandbLogger",
-    "MLflowLogger",
-    "TokenCrossEntropy",
-    "TorchMetric",
-    "TrackerCallback",
-    "WeightedMean",
-    "accuracy",
-    "error_rate",
-    "mp_spawn",
-    "roc_auc",
-    "set_seed",
-    "spawn",
-    "to_device",
-]
+__all__ = sorted(_EXPORTS)

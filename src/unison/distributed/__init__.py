@@ -8,6 +8,9 @@ imports change torch's state in ways a plain torch script must not inherit from 
 (with them loaded, torch's gloo group deadlocked at exit about 1 run in 3, pytorch/pytorch#56297).
 """
 
+# The names under TYPE_CHECKING are for type checkers; `__all__` is `_EXPORTS`' keys
+# (tests/test_layout.py keeps the two alike).
+# ruff: noqa: F401
 from typing import TYPE_CHECKING
 
 from unison.lazy import lazy_exports
@@ -60,30 +63,4 @@ _EXPORTS = {
 
 __getattr__, __dir__ = lazy_exports("unison.distributed", _EXPORTS, globals())
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "Collective",
-    "DataParallel",
-    "DistribEnv",
-    "DistributedDL",
-    "DistributedDataParallel",
-    "DistributedTrainer",
-    "FaultTolerantTrainer",
-    "ParallelConfig",
-    "ParallelTrainer",
-    "ReplicaBehindError",
-    "ShardedTrainer",
-    "Strategy",
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "is_main_process",
-    "is_sharded",
-    "local_rank",
-    "num_distrib",
-    "rank0_first",
-    "rank_distrib",
-    "revert_sync_batchnorm",
-    "setup_distrib",
-    "start_lighthouse",
-    "teardown_distrib",
-]
+__all__ = sorted(_EXPORTS)

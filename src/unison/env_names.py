@@ -33,7 +33,7 @@ TIMEOUT_ENV = "UNISON_TIMEOUT"
 BACKEND_ENV = "UNISON_BACKEND"
 #: `host:port` of the store the ranks' heartbeats go to (`distributed.watchdog`, `launch.rendezvous`).
 HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
-#: The signals that mean preemption, e.g. "SIGTERM,SIGUSR1" (`launch.signals`).
+#: The signals that mean preemption, e.g. "SIGTERM,SIGUSR1" (`unison.signals`).
 SIGNALS_ENV = "UNISON_PREEMPT_SIGNALS"
 #: "1": on preemption, also requeue the SLURM job (`callbacks.preemption`).
 REQUEUE_ENV = "UNISON_REQUEUE"
@@ -64,7 +64,7 @@ STEPS_ENV = "UNISON_EXACT_STEPS"
 FLOAT64_ENV = "UNISON_EXACT_FLOAT64"
 
 # ---- torch's and CUDA's, which unison sets or reads for its own purposes ------------------------
-#: torch elastic's list of signals its agent forwards (`launch.signals`).
+#: torch elastic's list of signals its agent forwards (`unison.signals`).
 TORCHELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 #: Transparent huge pages for torch's CPU allocator (`distributed.env.huge_pages_env`).
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"

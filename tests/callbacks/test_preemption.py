@@ -28,7 +28,7 @@ from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 from unison.callbacks.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from unison.checkpoint import callback as checkpoint_callback
 from unison.distributed.slurm import job_to_requeue, requeue
-from unison.launch.signals import launcher_signals, parse_signals, preempt_signals
+from unison.signals import launcher_signals, parse_signals, preempt_signals
 
 EPOCHS, STEPS = 3, 6  # 48 items, batch 8: 6 steps an epoch, 18 in all
 

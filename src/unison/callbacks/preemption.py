@@ -55,7 +55,7 @@ import torch
 
 from unison.callbacks.core import Callback
 from unison.env_names import REQUEUE_ENV
-from unison.launch.signals import PREEMPTED_EXIT, parse_signals, preempt_signals
+from unison.signals import PREEMPTED_EXIT, parse_signals, preempt_signals
 
 if TYPE_CHECKING:
     from unison.checkpoint.callback import Checkpoint

@@ -31,8 +31,8 @@ from fastai.callback.progress import ProgressCallback
 from fastai.imports import noop  # fastai's own, the one `no_logging` sets (not fastcore's)
 from fastprogress.fastprogress import ProgressBar
 
+from unison.bar_sender import send_bars
 from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
-from unison.launch.bar_relay import send_bars
 
 __all__ = ["LaunchProgressCallback", "use_launch_progress"]
 

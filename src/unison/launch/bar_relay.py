@@ -1,4 +1,5 @@
-"""Rank 0's progress bars on the launcher's terminal: `BarRelay` (launcher side), `send_bars` (rank 0).
+"""Rank 0's progress bars on the launcher's terminal: `BarRelay`, the launcher's side (rank 0's is
+`unison.bar_sender.send_bars`).
 
 Under `unison launch` (and `unison.spawn` called from a terminal) every worker's output reaches the
 console through torch's tailer, a line at a time and prefixed with the rank. A tqdm bar redraws one
@@ -34,7 +35,7 @@ from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
 _ERASE_LINE = "\r\x1b[K"
 _UP = "\x1b[A"
 
-__all__ = ["PROGRESS_COLUMNS_ENV", "PROGRESS_SOCKET_ENV", "BarRelay", "send_bars"]
+__all__ = ["BarRelay"]
 
 
 class BarRelay:
@@ -182,27 +183,3 @@ class _Relayed(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
-
-
-_sender: socket.socket | None = None
-
-
-def send_bars(frames: list[str]) -> bool:
-    """Send rank 0's bars (one line each; [] takes them off) to the launcher's relay, if it has one.
-
-    Never blocks and never raises: a bar the relay cannot take now is dropped (the next one
-    replaces it anyway). Returns False when no relay listens (`PROGRESS_SOCKET_ENV` unset).
-
-    >>> send_bars(["epoch:  50%|#####     | 1/2", "train:  25%|##        | 4/16"])
-    False
-    """
-    global _sender
-    address = os.environ.get(PROGRESS_SOCKET_ENV)
-    if not address:
-        return False
-    if _sender is None:
-        _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _sender.setblocking(False)
-    with contextlib.suppress(OSError):  # the relay ended, or its queue is full
-        _sender.sendto("\n".join(frames).encode("utf-8", "replace"), address)
-    return True

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from unison.launch.signals import PREEMPTED_EXIT
+from unison.signals import PREEMPTED_EXIT
 
 if TYPE_CHECKING:  # torch is imported only once a launch starts: option errors come first (fast)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure

@@ -64,9 +64,9 @@ from unison.launch.rendezvous import (
     rdzv_failure_hint,
     rdzv_store_configs,
 )
-from unison.launch.signals import PREEMPTED_EXIT
 from unison.launch.worker import ENTRY_FLAGS
 from unison.launch.zygote import Zygote, can_fork, warm_start_allowed
+from unison.signals import PREEMPTED_EXIT
 
 if TYPE_CHECKING:  # torch loads when a launch starts, after the options are checked (fast errors)
     from torch.distributed.launcher.api import LaunchConfig

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
 from typing import Any
 
-from unison.launch.signals import launcher_signals
+from unison.signals import launcher_signals
 
 __all__ = [
     "LaunchError",
@@ -293,7 +293,7 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
 
 
 def _signals(given: str | None) -> str:
-    """torch's spelling of the signals the agent handles (see `unison.launch.signals`)."""
+    """torch's spelling of the signals the agent handles (see `unison.signals`)."""
     try:
         return launcher_signals(given)
     except ValueError as exc:

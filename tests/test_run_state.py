@@ -416,3 +416,34 @@ def _sharded_with_scheduler(tmp):
 def test_a_scheduler_drives_the_optimizer_fsdp2_rebuilds(pool2, tmp_path):
     for diff, lr_warnings in pool2.run(_sharded_with_scheduler, str(tmp_path)):
         assert diff < 1e-9 and lr_warnings == []
+
+
+def _callback_loop(ds, path, crash_at=None, resume=False):
+    """The same training with the Learner's LRSchedulerCallback added to Run (stepped at after_step)."""
+    from unison import LRSchedulerCallback
+
+    model = _model(False)
+    with Run(accumulate=2, path=path) as run:
+        run.add_cb(LRSchedulerCallback(_sched))
+        model, opt = run.setup(model, _opt(model))
+        train = run.loader(DataLoader(ds, batch_size=4))
+        run.checkpoint(every=2)
+        for epoch in run.epochs(EPOCHS, resume=resume):
+            model.train()
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+                if (epoch, run.batch) == crash_at:
+                    raise Crash()
+        return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+def test_lr_scheduler_callback_on_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    ds = _data(45)
+    whole = _callback_loop(ds, tmp_path / "whole")
+    assert _equal(whole, plain_loop(ds)[0])[1] < 1e-9
+    with pytest.raises(Crash):
+        _callback_loop(ds, tmp_path / "cut", crash_at=(1, 6))
+    same, diff = _equal(_callback_loop(ds, tmp_path / "cut", resume=True), whole)
+    assert same, diff

@@ -390,3 +390,19 @@ def test_a_float32_loss_in_a_stock_fastai_script_is_exact_in_float64(tmp_path: P
         "verdict: exact to float noise" in proc.stdout
         and "the loss function computes in float32" in proc.stdout
     )
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(500)
+def test_check_exact_names_the_global_batch_and_steps_under_accumulation(tmp_path: Path) -> None:
+    """nanoGPT's port (`Run(accumulate=2)`, an evaluation not through run.loss): 3 optimizer steps of 2
+    accumulated batches of 16 windows (it said "global batch 16" and counted batches as steps), and
+    the valid_loss neither run recorded is not compared (it counted NaN vs NaN as agreeing)."""
+    script = ROOT / "examples" / "nanogpt" / "train.py"
+    args = ["--nproc", "2", "--steps", "3", "--float64-only", "--batch-arg", "batch_size", str(script)]
+    args += ["--batch_size", "16", "--max_iters", "6", "--eval_interval", "100", "--eval_iters", "2"]
+    proc = check_exact([*args, "--out_dir", str(tmp_path / "out")], tmp_path, 450)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compared after 3 optimizer step(s), global batch 32 (2 accumulated batches of 16)" in proc.stdout
+    assert "losses (6 training batches)" in proc.stdout
+    assert "valid_loss not compared (neither run recorded it)" in proc.stdout

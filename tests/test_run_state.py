@@ -263,6 +263,11 @@ def test_evaluation_alone_needs_no_optimizer():
         with torch.no_grad():
             preds = torch.cat([run.gather(model(x)) for x, _ in valid])
         assert torch.allclose(preds, _model(False)(ds.tensors[0]), rtol=0, atol=1e-12)
+        model.train()
+        with pytest.raises(
+            RuntimeError, match=r"a training pass needs an optimizer: run.setup\(model, opt\)"
+        ):
+            next(iter(valid))
 
 
 def test_a_preempted_run_names_run_epochs_resume_in_its_message(tmp_path):

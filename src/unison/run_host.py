@@ -154,6 +154,11 @@ class RunLoader:
         training = host.model.training
         if host.in_batch and training:
             raise RuntimeError("Run: a training loader iterated inside a training batch (nested loops)")
+        if training and host.opt is None:
+            raise RuntimeError(
+                "Run: a training pass needs an optimizer: run.setup(model, opt) (run.setup(model) evaluates "
+                "only; call model.eval() before iterating)"
+            )
         # An evaluation inside a training batch (nanoGPT's estimate_loss): the batch's state comes back.
         outer = {name: getattr(host, name) for name in _BATCH_STATE} if host.in_batch else None
         start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume

@@ -77,7 +77,10 @@ def test_sigterm_checkpoints_exits_75_and_the_resumed_job_ends_on_the_same_weigh
 
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--dir", str(tmp_path)]
     cmd += ["--bs", "8", "--wait-at", "3", "--slow-after-signal", str(STALL_S + 2), "--sched"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A 40 s grace, not the launcher's 20: rank 0 alone spends STALL_S + 2 s of it asleep, and on a
+    # loaded machine (load 6.5, a full parallel run) two workers writing and exiting took the rest.
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "40"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while not (tmp_path / "waiting").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the script never reached step 3"

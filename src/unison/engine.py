@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from unison.distributed.watchdog import is_peer_failure
 from unison.exact_loss import ExactLoss
 
 if TYPE_CHECKING:
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost
 
 __all__ = [
     "ParallelConfig",
@@ -96,7 +96,7 @@ def _advertised_host(lighthouse: str | None) -> str:
     return advertised_host(lighthouse)
 
 
-def attach_strategy(host: LearnerView, config: ParallelConfig) -> Strategy:
+def attach_strategy(host: EngineHost, config: ParallelConfig) -> Strategy:
     """Join (or make) the process group and train with the strategy `config` chooses: it becomes one
     of the host's callbacks and `host.strategy`. A refused setup leaves the host as it was."""
     strategy = make_strategy(config, advertised_host=_advertised_host)
@@ -111,7 +111,7 @@ def attach_strategy(host: LearnerView, config: ParallelConfig) -> Strategy:
     return strategy
 
 
-def detach_strategy(host: LearnerView) -> None:
+def detach_strategy(host: EngineHost) -> None:
     """Model, BatchNorm, loaders and logging as they were before `attach_strategy`."""
     for strategy in [c for c in host.cbs if isinstance(c, Strategy)]:
         strategy.restore()
@@ -119,7 +119,7 @@ def detach_strategy(host: LearnerView) -> None:
     host.strategy = None
 
 
-def name_stalled_rank(host: LearnerView, exc: BaseException) -> None:
+def name_stalled_rank(host: EngineHost, exc: BaseException) -> None:
     """A collective that failed because another rank stopped: raise the error naming that rank.
     (Only a RuntimeError can be one: this rank's own ValueError or TypeError is its own cause.)"""
     strategy = host.strategy
@@ -130,7 +130,7 @@ def name_stalled_rank(host: LearnerView, exc: BaseException) -> None:
         raise stalled from exc
 
 
-def to_parallel(host: LearnerView, device_ids: Sequence[int] | None = None) -> None:
+def to_parallel(host: EngineHost, device_ids: Sequence[int] | None = None) -> None:
     """Single-process `DataParallel` over `device_ids` (all GPUs by default)."""
     # Imported here: a plain script never loads torch's parallel wrappers.
     from unison.distributed.trainer import ParallelTrainer
@@ -140,7 +140,7 @@ def to_parallel(host: LearnerView, device_ids: Sequence[int] | None = None) -> N
     trainer.setup()
 
 
-def detach_parallel(host: LearnerView) -> None:
+def detach_parallel(host: EngineHost) -> None:
     from unison.distributed.trainer import ParallelTrainer  # (as in to_parallel)
 
     for cb in [c for c in host.cbs if isinstance(c, ParallelTrainer)]:
@@ -162,13 +162,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         elif type(model).__name__ == "OptimizedModule" and isinstance(
             getattr(model, "_orig_mod", None), nn.Module
         ):
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model
 
 
 def shard_loader(
-    host: LearnerView, dl: Any, pad: bool, steps_per_epoch: int | None = None, split: str = "exact"
+    host: EngineHost, dl: Any, pad: bool, steps_per_epoch: int | None = None, split: str = "exact"
 ) -> Any:
     """This rank's share of `dl` this epoch (`unison.data.sharding`), in the host's data order;
     `pad=False` in training (exactly the set's items, none twice), True in evaluation."""
@@ -177,7 +177,7 @@ def shard_loader(
 
 
 def begin_pass(
-    host: LearnerView, dl: Any, training: bool, steps_per_epoch: int | None = None, split: str = "exact"
+    host: EngineHost, dl: Any, training: bool, steps_per_epoch: int | None = None, split: str = "exact"
 ) -> int:
     """Start a pass over `dl`: `host.dl` becomes this rank's share of it (training: exactly the set's
     items; evaluation: padded, the padding trimmed later), `host.n_iter` its length (0: a stream of
@@ -197,7 +197,7 @@ def begin_pass(
     return start
 
 
-def check_loader_agrees(host: LearnerView, dl: Any, name: str, check_data: bool = True) -> None:
+def check_loader_agrees(host: EngineHost, dl: Any, name: str, check_data: bool = True) -> None:
     """Across the ranks of a job, `dl` must be shardable and hold the same items, and its sampler
     must draw the same order on every rank (one seeded by torch does; one drawing from Python's
     `random` or NumPy does not, and would deal some items twice and others never): else a one-line
@@ -221,12 +221,12 @@ def check_loader_agrees(host: LearnerView, dl: Any, name: str, check_data: bool 
         )
 
 
-def real_rows(host: LearnerView, index: int) -> int | None:
+def real_rows(host: EngineHost, index: int) -> int | None:
     """How many leading rows of the current loader's batch `index` are real items (None: all)."""
     return host.dl.real_rows(index) if is_rank_sharded(host.dl) else None
 
 
-def trim_padding(host: LearnerView, batch: Any, index: int) -> tuple[Any, bool, Any]:
+def trim_padding(host: EngineHost, batch: Any, index: int) -> tuple[Any, bool, Any]:
     """`(batch without its padding rows, whether no row is real, batch as it came)`: the own loop's
     whole batch, trimmed as `prepare_batch` trims the learner's inputs and targets."""
     real = real_rows(host, index)
@@ -234,7 +234,7 @@ def trim_padding(host: LearnerView, batch: Any, index: int) -> tuple[Any, bool, 
     return trimmed, real == 0, batch
 
 
-def prepare_batch(host: LearnerView, batch: Any, index: int, n_inp: int, device: torch.device) -> None:
+def prepare_batch(host: EngineHost, batch: Any, index: int, n_inp: int, device: torch.device) -> None:
     """`batch` on the host's device, split into `host.xb` / `host.yb`, with the rows a rank-sharded
     loader added to even out ranks dropped from the *inputs*: whatever computes the loss (the
     model itself included), padding is never scored. `host._empty_share`: no real rows here."""
@@ -249,7 +249,7 @@ def prepare_batch(host: LearnerView, batch: Any, index: int, n_inp: int, device:
     host.loss_count = 0.0
 
 
-def score(host: LearnerView, total: Tensor, count: float, mean: Tensor | None) -> None:
+def score(host: EngineHost, total: Tensor, count: float, mean: Tensor | None) -> None:
     """Set the batch's loss (`host.loss`, its mean), count and, in training, what to backpropagate
     (`host.loss_grad`: the sum over a constant, so the step's gradient can be made exact)."""
     host.loss_count = count
@@ -259,7 +259,7 @@ def score(host: LearnerView, total: Tensor, count: float, mean: Tensor | None) -
     host.loss_grad = host.exact_loss.to_backward(host, total, count, mean) if host.training else host.loss
 
 
-def backward(host: LearnerView) -> None:
+def backward(host: EngineHost) -> None:
     """Backpropagate `host.loss_grad` (scaled under fp16); at the last micro-batch of an optimizer
     step, divide the gradient by the global count of that step's loss terms."""
     assert host.loss_grad is not None
@@ -271,7 +271,7 @@ def backward(host: LearnerView) -> None:
         host.exact_loss.normalise_grads(host)
 
 
-def optimizer_step(host: LearnerView) -> None:
+def optimizer_step(host: EngineHost) -> None:
     """Step the optimizer (through the grad scaler, which skips a step whose gradients overflowed)."""
     assert host.opt is not None
     if host.scaler is not None:

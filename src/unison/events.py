@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost, LearnerView
 
 # The events, in the order a fit raises them (the batch and phase events repeat).
 EVENTS: tuple[str, ...] = (
@@ -96,7 +96,7 @@ class Callback:
         return f"{type(self).__name__}(order={self.order})"
 
 
-def attach_callback(host: LearnerView, cb: Callback | type[Callback]) -> Callback:
+def attach_callback(host: EngineHost, cb: Callback | type[Callback]) -> Callback:
     """Attach `cb` (an instance, or a class to instantiate with no arguments) to `host`'s callbacks,
     kept sorted by `order`: what `Learner.add_cb` and the own-loop `Run` do.
 
@@ -106,7 +106,8 @@ def attach_callback(host: LearnerView, cb: Callback | type[Callback]) -> Callbac
         cb = cb()
     if not isinstance(cb, Callback):
         raise TypeError(f"add_cb: {cb!r} is not a unison Callback")
-    cb.learn = host
+    # (a callback on the Learner sees it whole; one on Run's host uses only the engine's view)
+    cb.learn = cast("LearnerView", host)
     host.cbs.append(cb)
     host.cbs.sort(key=lambda c: c.order)
     return cb
@@ -120,7 +121,7 @@ def fire(cbs: list[Callback], event: str) -> None:
             handler()
 
 
-def detach_callback(host: LearnerView, cb: Callback | type[Callback]) -> None:
+def detach_callback(host: EngineHost, cb: Callback | type[Callback]) -> None:
     """Detach a callback instance, or every callback of a class, from `host`."""
     if isinstance(cb, type):
         host.cbs = [c for c in host.cbs if not isinstance(c, cb)]

@@ -10,10 +10,10 @@ engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from unison.events import (
     detach_callback,
     fire,
 )
+from unison.learner_view import LoopState
 
 __all__ = [
     "LoaderOrders",
@@ -48,22 +49,24 @@ __all__ = [
 ]
 
 
-class RunHost:
-    """What the engine, the strategy and the callbacks read and set while a `Run` trains."""
+class RunHost(LoopState):
+    """What the engine, the strategy and the callbacks read and set while a `Run` trains. (Its
+    `LoopState` fields are set by `engine.init_loop_state` in `__init__`, which mypy cannot see: it
+    takes them for abstract, hence the `type: ignore[abstract]` where a RunHost is made.)"""
 
     def __init__(self, config: ParallelConfig, accumulate: int, path: Path, model_dir: Path) -> None:
         self.config, self.accumulate = config, accumulate
         self.path, self.model_dir = path, model_dir
         engine.init_loop_state(self)  # opt, collective, strategy, epoch, iter, xb, yb, loss, cbs, ...
-        self.model: nn.Module | None = None
+        self.model = cast(nn.Module, None)  # (run.setup sets it before the engine reads it)
         self.opt_func: Any = None
         self.lr: Any = None
-        self.loss_func = None  # the loop computes the loss; `run.loss` receives it
+        self.loss_func: Callable[..., Any] | None = None  # the loop computes the loss; `run.loss` receives it
         self.metrics: list[Any] = []
         self.dls = SimpleNamespace(train=None, valid=None)
-        self.call_model = lambda model, xb: model(*xb)
+        self.call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda model, xb: model(*xb)
         self.n_inp = 1
-        self.recorder = Recorder(print_table=False)
+        self.recorder: Any = Recorder(print_table=False)  # (the fastai bridge hands its RecorderView)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
         self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
 

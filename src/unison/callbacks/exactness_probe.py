@@ -35,7 +35,7 @@ from unison.callbacks.core import Callback, CancelFitException, CancelTrainExcep
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 
 if TYPE_CHECKING:
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost, LearnerView
 
 #: Version of the file's layout.
 PROBE_FORMAT = 1
@@ -44,7 +44,7 @@ PROBE_FORMAT = 1
 _claimed: list[bool] = [False]
 
 
-def attach_if_checking(learn: LearnerView) -> ExactnessProbe | None:
+def attach_if_checking(learn: EngineHost) -> ExactnessProbe | None:
     """Add an `ExactnessProbe` to `learn` when `unison check-exact` runs this script; else nothing."""
     path = os.environ.get(PROBE_ENV)
     if not path:

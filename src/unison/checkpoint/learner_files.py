@@ -20,7 +20,7 @@ from unison.checkpoint.sharded import load_learner, save_learner
 from unison.distributed.env import rank_distrib
 
 if TYPE_CHECKING:
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost, LearnerView
 
 
 def model_file(learn: LearnerView, name: str | Path) -> Path:
@@ -66,7 +66,7 @@ def load(learn: LearnerView, name: str | Path, with_opt: bool = True, strict: bo
         learn.opt.load_state_dict(state["opt"])
 
 
-def resume(learn: LearnerView) -> None:
+def resume(learn: EngineHost) -> None:
     """`fit(resume=True)`: continue from the newest checkpoint the fit's `Checkpoint` wrote, if any."""
     from unison.checkpoint.callback import Checkpoint
 

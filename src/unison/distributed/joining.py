@@ -28,7 +28,7 @@ from unison.distributed.group import destroy_group, resolve_timeout
 from unison.distributed.watchdog import RankStalledError, Watchdog
 
 if TYPE_CHECKING:
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost, LearnerView
 
 
 def training_device(learn: LearnerView, cuda_id: int | None, backend: str | None = None) -> torch.device:
@@ -75,7 +75,7 @@ def join_collective(learn: LearnerView, collective: Collective) -> None:
 
 
 def check_loaders_agree(
-    learn: LearnerView, collective: Collective, check_data: bool = True, loaders: Any = None
+    learn: EngineHost, collective: Collective, check_data: bool = True, loaders: Any = None
 ) -> None:
     """Every rank must hold the same data: a loader of different length would desynchronise them,
     and different items (random data made without `set_seed`, another file per node) would mix.

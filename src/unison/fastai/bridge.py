@@ -28,7 +28,7 @@ import contextlib
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import fastai.callback.core as fastai_core
 import torch
@@ -122,7 +122,7 @@ class UnisonBridge(fastai_core.Callback):
         if learn.opt is None:
             learn.create_opt()
         self.opt_at_setup = learn.opt
-        host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
+        host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))  # type: ignore[abstract]  # (RunHost)
         host.model, host.loss_func = learn.model, learn.loss_func
         self.recorder = host.recorder = RecorderView(learn)
         host.add_cb(NonFiniteCheck("stop"))
@@ -210,11 +210,8 @@ class UnisonBridge(fastai_core.Callback):
                 "create_opt()): fastai would not see the synchronised BatchNorm layers and would decay "
                 "their weights; make it before distrib_ctx, or leave reset_opt=False"
             )
-        host.opt, host.loss_func, host.n_epoch = (
-            PlainStateOptimizer(learn.opt),
-            learn.loss_func,
-            learn.n_epoch,
-        )
+        host.opt = cast(torch.optim.Optimizer, PlainStateOptimizer(learn.opt))  # (fastai's, read as torch's)
+        host.loss_func, host.n_epoch = learn.loss_func, learn.n_epoch
         # (what check-exact's probe reads of the training loader: the per-process batch)
         host.dls = SimpleNamespace(train=SimpleNamespace(batch_size=learn.dls.train.bs), valid=None)
         host.lr_finder = True if self.sweep else None  # (the check-exact probe leaves a sweep alone)

@@ -28,8 +28,8 @@ def run(args: list[str], cwd: Path) -> None:
     return proc
 
 
-def launch(nproc: int, out: Path, *args: str, launch_args: tuple[str, ...] = ()):
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", str(nproc), *launch_args, str(SCRIPT)]
+def launch(nproc: int, out: Path, *args: str, launch_args: tuple[str, ...] = (), script: Path = SCRIPT):
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", str(nproc), *launch_args, str(script)]
     return run([*cmd, "--out", str(out), *args], cwd=out.parent)
 
 
@@ -118,19 +118,7 @@ def test_fastais_distributed_tutorial_script_runs_with_only_its_import_changed(t
     example = ROOT / "examples" / "fastai_distributed.py"
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     run([sys.executable, str(example), "--bs", "64", "--out", str(one)], cwd=tmp_path)
-    cmd = [
-        sys.executable,
-        "-m",
-        "unison.launch",
-        "--nproc",
-        "2",
-        str(example),
-        "--bs",
-        "32",
-        "--out",
-        str(two),
-    ]
-    proc = run(cmd, cwd=tmp_path)
+    proc = launch(2, two, "--bs", "32", script=example)
     assert "global batch 64 = 2 processes x 32" in proc.stdout
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
     assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) < 1e-5
@@ -144,8 +132,7 @@ def test_what_users_inspect_after_a_fit_is_fastai_alones(tmp_path: Path) -> None
     trains to the same weights."""
     script = ROOT / "tests" / "scripts" / "fastai_inspect.py"
     run([sys.executable, str(script), "--plain", "--out", str(tmp_path / "one")], cwd=tmp_path)
-    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script), "--out", str(tmp_path / "two")]
-    run(cmd, cwd=tmp_path)
+    launch(2, tmp_path / "two", script=script)
     one, *ranks = (
         torch.load(tmp_path / name, weights_only=True)
         for name in ("one.rank0.pt", "two.rank0.pt", "two.rank1.pt")

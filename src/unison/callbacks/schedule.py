@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -122,7 +122,9 @@ class LRSchedulerCallback(Callback):
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def before_fit(self) -> None:
-        opt = self.learn.opt
+        # The Learner makes its optimizer before before_fit; a Run set up without one (evaluation
+        # only) hands make_scheduler its None, as an LR scheduler's constructor refuses it.
+        opt = cast(torch.optim.Optimizer, self.learn.opt)
         if self._pending is None:
             self.scheduler = self.make_scheduler(opt)
         else:  # resumed from a checkpoint: the optimizer holds the interrupted run's LR and momentum

@@ -159,7 +159,7 @@ class Checkpoint(Callback):
         collective = learn.collective
         # A stateful stream's state on every rank (each reads its own part), mid-epoch only.
         stateful = batches_done and hasattr(learn.dl, "load_state_dict")
-        stream_state = learn.dl.state_dict() if stateful else None  # type: ignore[union-attr]
+        stream_state = learn.dl.state_dict() if stateful else None
         gathered = collective.gather_objects((get_rng_state(), stream_state))
         rng_states = [rng for rng, _ in gathered]
         stream_states = [stream for _, stream in gathered]

@@ -65,6 +65,7 @@ def _disk_full(
     if cause is None:  # checked before writing: the error the write would have met
         os_error = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}, checked before writing"
     else:
+        assert cause.errno is not None  # the caller passes an ENOSPC / EDQUOT error (_enospc)
         os_error = (
             f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror or os.strerror(cause.errno)}"
         )
@@ -89,7 +90,8 @@ class _CountingWriter:
     would turn into an unrelated 'unexpected pos' message."""
 
     def __init__(self, raw: Any):
-        self.raw, self.written, self.error = raw, 0, None
+        self.raw, self.written = raw, 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -225,7 +227,7 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
         cause = _enospc(exc, writer)
         if cause is not None:
             raise _disk_full(
-                path, max(needed, writer.written if writer else 0), writer and writer.written, cause
+                path, max(needed, writer.written if writer else 0), writer.written if writer else None, cause
             ) from exc
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)

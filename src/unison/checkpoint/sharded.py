@@ -144,7 +144,7 @@ def save_sharded(
     failed = [part for part in parts if isinstance(part, str)]
     if failed:
         raise CheckpointError(failed[0])
-    checksums = {k: v for part in parts for k, v in part.items()}  # type: ignore[union-attr]
+    checksums = {k: v for part in parts for k, v in part.items()}
     if collective.is_main:
         files = sorted(tmp.iterdir())
         checksums.update({f.name: file_checksum(f) for f in files if f.name not in checksums})
@@ -322,6 +322,7 @@ def load_sharded(
     with _quiet():
         dcp.load(state, checkpoint_id=path, no_dist=_no_dist(collective))
     if "optim" in state:
+        assert opt is not None  # _state saves "optim" only for an optimizer
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
@@ -357,7 +358,7 @@ def load_full_into_sharded(
         for group, saved in zip(groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         return
-    by_name = {
+    by_name: dict[str, Any] = {
         "state": {names[i]: s for i, s in opt_state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved_groups],
     }

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,8 +23,9 @@ def _rebuild_mapping(x: Mapping, items: dict[str, Any]) -> Any:
     """A mapping of `x`'s class holding `items` (`ModelOutput` and other dataclasses by keyword)."""
     if dataclasses.is_dataclass(x):
         return type(x)(**items)
+    cls: Any = type(x)  # a Mapping subclass; its constructor's signature is the class's own
     try:
-        return type(x)(items)
+        return cls(items)
     except TypeError:  # a Mapping class without a dict constructor: a plain dict still reads the same
         return dict(items)
 
@@ -107,7 +108,8 @@ def cat_padded(parts: Sequence[Tensor], pad_value: float = -100) -> Tensor:
     out = parts[0].new_full([sum(p.shape[0] for p in parts), *trailing], pad_value)
     row = 0
     for p in parts:
-        out[(slice(row, row + len(p)), *(slice(0, n) for n in p.shape[1:]))] = p
+        index = (slice(row, row + len(p)), *(slice(0, n) for n in p.shape[1:]))
+        out[index] = p
         row += len(p)
     return out
 
@@ -205,14 +207,16 @@ def _keyword_names(model: nn.Module) -> frozenset[str] | None:
     inner = model
     while hasattr(inner, "module") and isinstance(inner.module, nn.Module):  # DDP / DataParallel
         inner = inner.module
-    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
-    return _forward_keywords(type(inner))
+    unwrapped: nn.Module = getattr(inner, "_orig_mod", inner)  # torch.compile
+    # The cache key is the class; mypy reads a plain `type` as Hashable, a `type[nn.Module]` not.
+    cls: type = type(unwrapped)
+    return _forward_keywords(cls)
 
 
 @functools.lru_cache(maxsize=64)
 def _forward_keywords(cls: type) -> frozenset[str] | None:
     try:
-        params = inspect.signature(cls.forward).parameters.values()
+        params = inspect.signature(cast("type[nn.Module]", cls).forward).parameters.values()
     except (TypeError, ValueError):
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

@@ -17,7 +17,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.data.drawn import DrawnOrder
-from unison.data.permutation import pick_order
-from unison.data.plan import RankPlan, dealt_plan, sampler_order, strided_plan
+from unison.data.permutation import PermutedOrder, pick_order
+from unison.data.plan import PositionPlan, RankPlan, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import is_rank_sharded
 
 
@@ -198,7 +198,7 @@ class DistributedDL:
         self.dealt = dl.batch_size is None and not pad
         self.joined = dl.batch_size is None and pad
         self._n_planned: int | None = None
-        self._rank_plan = RankPlan([], [0], [])
+        self._rank_plan: RankPlan | PositionPlan = RankPlan([], [0], [])
         self._plan_start = 0
         self._global_sizes: list[int] = []
         self._dealt_cache: tuple[int, list[list[Any]]] | None = None
@@ -216,7 +216,7 @@ class DistributedDL:
         dataset, collate_fn = _batched_fetch(dl.dataset, dl.collate_fn)
         self._inner = DataLoader(
             dataset,
-            batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),  # type: ignore[arg-type]
+            batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),
             collate_fn=collate_fn,
             num_workers=dl.num_workers,
             pin_memory=dl.pin_memory,
@@ -284,7 +284,7 @@ class DistributedDL:
         order = self._order_tensor(epoch)
         return order.tolist() if isinstance(order, torch.Tensor) else order
 
-    def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any]:
+    def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any] | PermutedOrder:
         if self.joined:
             joined = [i for batch in self._dealt_batches(epoch) for i in batch]
             ints = all(isinstance(i, int) for i in joined)
@@ -301,7 +301,8 @@ class DistributedDL:
                 batches = self.drawn.order(batch_sampler, epoch)
             else:
                 batches = sampler_order(batch_sampler, _mix(self.seed, epoch), epoch)
-            self._dealt_cache = (epoch, [list(b) for b in batches])
+            # A batch sampler's order is a list of batches (an empty one a tensor), never a PermutedOrder.
+            self._dealt_cache = (epoch, [list(b) for b in cast("torch.Tensor | list[Any]", batches)])
         return self._dealt_cache[1]
 
     @property
@@ -381,7 +382,7 @@ class DistributedDL:
         data = getitems(indices) if getitems else [dataset[i] for i in indices]
         return collate(data)
 
-    def _plan(self, epoch: int) -> RankPlan:
+    def _plan(self, epoch: int) -> RankPlan | PositionPlan:
         if self.dealt:
             plan, self._global_sizes = dealt_plan(self._dealt_batches(epoch), self.rank, self.world_size)
             self._dealt_cache = None  # the plan holds this rank's part: drop the global batches

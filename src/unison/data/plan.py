@@ -14,7 +14,7 @@ an unshuffled loader's (`SequentialSampler`, whatever the `order` option): its o
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -66,7 +66,9 @@ def sampler_order(
         try:
             if has_gen:
                 sampler.generator = generator
-            fast = PermutedOrder(len(sampler), draw_key(generator)) if scalable else None
+            fast: Tensor | PermutedOrder | None = (
+                PermutedOrder(len(sampler), draw_key(generator)) if scalable else None
+            )
             fast = _fast_order(sampler, generator) if fast is None else fast
             order: list[Any] = list(sampler) if fast is None else []
         finally:
@@ -132,8 +134,10 @@ def strided_plan(
     wrapped = take - len(mine)
     if wrapped > 0:
         tail = (rank + world_size * torch.arange(len(mine), take)) % n
-        extra = order[tail] if isinstance(order, Tensor) else [order[p] for p in tail.tolist()]
-        mine = torch.cat([mine, extra]) if isinstance(order, Tensor) else [*mine, *extra]
+        if isinstance(order, Tensor):
+            mine = torch.cat([cast(Tensor, mine), order[tail]])  # a tensor's slice is a tensor
+        else:
+            mine = [*mine, *[order[p] for p in tail.tolist()]]
     elif isinstance(mine, Tensor):
         mine = mine.clone()  # its own storage: the global order is freed when the caller drops it
     bounds, real, pads = [0], [], []

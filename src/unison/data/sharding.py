@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unison.data.drawn import DrawnOrder
 from unison.data.loader import DistributedDL
-from unison.data.ranked import RankShardedLoader, is_rank_sharded
+from unison.data.ranked import RankShardedLoader
 from unison.data.stream import StreamDL
 
 
@@ -48,7 +48,7 @@ class LoaderShards:
         Training (`pad=False`) splits the last global batch unevenly: no item twice. Evaluation
         pads by wrapping and trims the padding from the inputs. A stream (`IterableDataset`)
         is strided by `StreamDL` (or shards itself), every rank taking the same number of steps."""
-        if is_rank_sharded(dl):
+        if isinstance(dl, RankShardedLoader):  # already one rank's share (is_rank_sharded)
             return dl
         world = collective.world_size
         streaming = isinstance(dl.dataset, IterableDataset)

@@ -264,7 +264,8 @@ class StreamDL:
         self._global: list[int] = []
         own = self_sharded(dl.dataset, rank, world_size, split) if world_size > 1 else None
         self.generic = own is None
-        self._source = dl.dataset if own is None else own
+        # The stream read: duck-typed (`set_epoch`, `state_dict`, `load_state_dict` when it has them).
+        self._source: Any = dl.dataset if own is None else own
         if own is not None and _is_hf(dl.dataset) and rank == 0:
             print(
                 f'[unison] stream_split="by_node": the Hugging Face stream {type(dl.dataset).__name__} '
@@ -444,6 +445,7 @@ class StreamDL:
         last: Any = _END
         step = start
         first_print: int | None = None
+        batch: Any  # a batch, (batch, print) on the generic path, or _END
         while limit is None or step < limit:
             batch, print_ = next(batches, _END), None
             if self.generic and batch is not _END:

@@ -282,9 +282,9 @@ class FaultTolerantTrainer(Callback):
         healed, witness = self._healed_to, self._witness
         self._say(start_line(self._position, healed, witness.replica_ids, witness.healed_from))
         if healed is not None:
-            learn.start_epoch, learn.start_iter = self._healed_to
-            self.events["healed_at"] = self._healed_to
-            self._position = self._healed_to
+            learn.start_epoch, learn.start_iter = healed
+            self.events["healed_at"] = healed
+            self._position = healed
             self._healed_to = None
         self._quorum_ready = True
         self._members = self._witness.starts

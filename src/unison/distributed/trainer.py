@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -170,7 +170,8 @@ class DistributedTrainer(Callback):
             return
         self._at(0)
         if not self.learn.grad_sync and self.learn.training and hasattr(self.learn.model, "no_sync"):
-            self._no_sync = self.learn.model.no_sync()
+            # nn.Module's stubs type an unknown attribute as Tensor | Module: no_sync is DDP's method.
+            self._no_sync = cast(Any, self.learn.model).no_sync()
             self._no_sync.__enter__()
 
     def before_backward(self) -> None:

@@ -22,16 +22,8 @@ NOT_YET = {
     "unison.run",
     "unison.run_host",
     "unison.engine",
-    "unison.exact_loss",
-    "unison.callbacks.schedule",
-    "unison.callbacks.preemption",
-    "unison.callbacks.recorder",
-    "unison.launch.check",
-    "unison.launch.check_report",
-    "unison.distributed.fault_tolerant",
-    "unison.distributed.trainer",  # being edited in the working tree by other work
 }
-NOT_YET_PREFIXES = ("unison.checkpoint", "unison.data", "unison.distributed.ft_")
+NOT_YET_PREFIXES: tuple[str, ...] = ()
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

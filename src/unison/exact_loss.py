@@ -92,9 +92,11 @@ class StepCount:
 class ExactLoss:
     """The learner's loss reader and gradient divider.
 
-    >>> exact = ExactLoss()
-    >>> total, count, mean = exact.terms(learn)               # doctest: +SKIP
-    >>> learn.loss_grad = exact.to_backward(learn, total, count, mean)   # doctest: +SKIP
+    For example:
+
+        exact = ExactLoss()
+        total, count, mean = exact.terms(learn)
+        learn.loss_grad = exact.to_backward(learn, total, count, mean)
     """
 
     def __init__(self) -> None:

@@ -34,9 +34,9 @@ Which signals: `Preemption(signals=...)`, else `UNISON_PREEMPT_SIGNALS`, else th
 its workers inherit) without SIGINT (Ctrl-C stays an interrupt), else SIGTERM and SIGUSR1. The
 handlers are the process's only while `fit` runs (`handling`), in the main thread.
 
->>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=500)])   # on_preempt="stop"
->>> with learn.distrib_ctx():
-...     learn.fit(10, resume=True)    # SIGTERM: checkpoint now, exit 75; resubmitted: goes on
+    learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=500)])   # on_preempt="stop"
+    with learn.distrib_ctx():
+        learn.fit(10, resume=True)    # SIGTERM: checkpoint now, exit 75; resubmitted: goes on
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Preemption(Callback):
     `requeue`: under SLURM, rank 0 requeues the job once the checkpoint is written (default:
     `UNISON_REQUEUE=1`). `received` is the signal this process got, if any.
 
-    >>> learn = Learner(dls, model, loss_func, on_preempt=None, cbs=[Preemption("SIGUSR2", requeue=True)])
+        learn = Learner(dls, model, loss_func, on_preempt=None, cbs=[Preemption("SIGUSR2", requeue=True)])
     """
 
     # after Checkpoint (90): its save of this step, if any, is done when the ranks agree to stop

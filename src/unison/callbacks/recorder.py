@@ -29,8 +29,8 @@ class Recorder(Callback):
     per-batch loss is the global batch's (every rank's loss terms together), so the
     curve is the same on one process and on W.
 
-    >>> learn.recorder.values[-1]        # last epoch
-    >>> learn.recorder.plot_loss("loss.png")
+        learn.recorder.values[-1]        # last epoch
+        learn.recorder.plot_loss("loss.png")
     """
 
     order = 50

@@ -50,7 +50,7 @@ class OneCycleScheduler(Callback):
     The schedule is a function of `learn.pct_train` alone, so it needs no state of its
     own and a resumed run lands on exactly the same LR.
 
-    >>> learn.fit(5, cbs=[OneCycleScheduler(lr_max=3e-3)])   # what fit_one_cycle does
+        learn.fit(5, cbs=[OneCycleScheduler(lr_max=3e-3)])   # what fit_one_cycle does
     """
 
     order = 10
@@ -97,10 +97,10 @@ class LRSchedulerCallback(Callback):
     by `monitor` (`"valid_loss"`, `"train_loss"` or a metric's name): the recorder has reduced it
     over every rank, so all ranks step on the same value and keep one learning rate.
 
-    >>> sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-    >>> learn.fit(3, cbs=[LRSchedulerCallback(sched)])
-    >>> plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=2)
-    >>> learn.fit(30, cbs=[LRSchedulerCallback(plateau, monitor="valid_loss")])
+        sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        learn.fit(3, cbs=[LRSchedulerCallback(sched)])
+        plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=2)
+        learn.fit(30, cbs=[LRSchedulerCallback(plateau, monitor="valid_loss")])
     """
 
     order = 10
@@ -234,7 +234,7 @@ def lr_find(
 
     Returns a suggested LR; the finder (its `lrs` and `losses`) stays on `learn.lr_finder`.
 
-    >>> lr = learn.lr_find()
+        lr = learn.lr_find()
     """
     if learn.opt is None:
         learn.create_opt()

@@ -46,8 +46,7 @@ def unwritable_folder(folder: Path) -> str | None:
     It makes and removes a file there, as a save does (the mode bits alone do not tell: root
     ignores them, a read-only mount refuses root too).
 
-    >>> unwritable_folder(Path("/ckpt/models"))   # a read-only mount
-    'Checkpoint: cannot write checkpoints to /ckpt/models: [Errno 30] Read-only file system ...'
+        unwritable_folder(Path("/ckpt/models"))   # a read-only mount
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -79,8 +78,8 @@ class Checkpoint(Callback):
     Under `unison check-exact` the checkpoints go to a fresh folder beside the probe's record: each
     run starts from scratch, and the script's own checkpoints are left as they are.
 
-    >>> learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
-    >>> learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
+        learn = Learner(dls, model, loss_func, cbs=[Checkpoint(every=100)])
+        learn.fit(10, resume=True)     # after a crash: picks up where the last checkpoint was
     """
 
     order = 90  # after the recorder and trackers have settled this batch's / epoch's state

@@ -3,8 +3,8 @@
 step counter), each under a stable name, restored after the optimizer without touching the
 optimizer's hyper-parameters.
 
->>> components = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10)}     # doctest: +SKIP
->>> Checkpoint(every=100, components=components)                             # doctest: +SKIP
+    components = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10)}
+    Checkpoint(every=100, components=components)
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def kept_hyperparameters(opt: torch.optim.Optimizer | None) -> Iterator[None]:
     they were before the block: a torch scheduler built or loaded on a restored optimizer may write
     its own values into it, and a resume continues from the restored ones.
 
-    >>> with kept_hyperparameters(opt):                                   # doctest: +SKIP
-    ...     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+        with kept_hyperparameters(opt):
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
     """
     groups = opt.param_groups if opt is not None else []
     kept = [{k: v for k, v in group.items() if k != "params"} for group in groups]

@@ -199,7 +199,7 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
     when the tensors alone do not fit); temp files left by killed writers are removed.
     With `keep_previous`, the file replaced is kept as `previous_path(path)`.
 
-    >>> atomic_save({"unison_format": 1, "model": model.state_dict()}, "models/m.pth")
+        atomic_save({"unison_format": 1, "model": model.state_dict()}, "models/m.pth")
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -295,7 +295,7 @@ def load_or_previous(
     """`safe_load(path, **kwargs)`; with `keep_previous`, a refused `path` falls back to
     `previous_path(path)` when that one loads, with a warning (when `warn`).
 
-    >>> state = load_or_previous("models/checkpoint.pth", True, map_location="cpu", kind="checkpoint")
+        state = load_or_previous("models/checkpoint.pth", True, map_location="cpu", kind="checkpoint")
     """
     try:
         return safe_load(path, **kwargs)

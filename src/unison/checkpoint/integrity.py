@@ -5,7 +5,7 @@ checks: `verify_integrity` checks them all. A sharded checkpoint folder's files 
 its manifest with their sizes and CRC32s (`file_checksum`), written last by `save_sharded`;
 `check_files` checks them, each rank a balanced share of the bytes (`shares`).
 
->>> verify_integrity("models/checkpoint.pth")          # raises CheckpointError naming the entry
+    verify_integrity("models/checkpoint.pth")          # raises CheckpointError naming the entry
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ _CHUNK = 1 << 22
 def file_checksum(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
     """The CRC32 of a file's bytes as 8 hex digits, read in chunks (zlib releases the GIL).
 
-    >>> file_checksum("models/checkpoint.dcp/__0_0.distcp")
-    '5f1d7a0c'
+    For example:
+
+        file_checksum("models/checkpoint.dcp/__0_0.distcp")
     """
     crc = 0
     buf = bytearray(chunk)
@@ -47,7 +48,7 @@ def verify_integrity(path: str | os.PathLike[str], chunk: int = 1 << 20) -> None
     whole file once (about 0.1 s per 100 MB, see benchmarks/RESULTS.md) and raises
     `CheckpointError` naming the first damaged entry.
 
-    >>> verify_integrity("models/checkpoint.pth")
+        verify_integrity("models/checkpoint.pth")
     """
     path = Path(path)
     try:

@@ -5,8 +5,7 @@ A plain model is written by rank 0 alone, atomically (`format.atomic_save`), and
 weights-only and checked against the model; a sharded (FSDP2) model writes a DCP folder, every
 rank its own shards (`sharded.save_learner`).
 
->>> save(learn, "stage1")          # learn.save("stage1"): models/stage1.pth
-PosixPath('models/stage1.pth')
+    save(learn, "stage1")          # learn.save("stage1"): models/stage1.pth
 """
 
 from __future__ import annotations

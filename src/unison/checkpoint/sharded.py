@@ -18,8 +18,8 @@ other file, written last.
 - Resharded: DCP reads whatever slice each rank needs, so a checkpoint written on W
   processes loads on any number, sharded or not (one process gets plain full tensors).
 
->>> save_sharded(Path("models/run.dcp"), learn.model, learn.opt, {"epoch": 3}, learn.collective)
->>> export_state_dict(Path("models/run.dcp"), Path("models/run_weights.pth"))   # for inference
+    save_sharded(Path("models/run.dcp"), learn.model, learn.opt, {"epoch": 3}, learn.collective)
+    export_state_dict(Path("models/run.dcp"), Path("models/run_weights.pth"))   # for inference
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def save_sharded(
     rank 0 writes `meta` and the manifest of every file's size and CRC32, last. With
     `keep_previous`, the checkpoint replaced is kept as `previous_path(directory)`.
 
-    >>> save_sharded("models/checkpoint.dcp", learn.model, learn.opt, {"epoch": 1}, learn.collective)
+        save_sharded("models/checkpoint.dcp", learn.model, learn.opt, {"epoch": 1}, learn.collective)
     """
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +201,7 @@ def read_meta(
     hashes a share of the bytes and one gather makes every rank raise the same error.
     Raises `CheckpointError` with a one-line reason naming the file.
 
-    >>> read_meta("models/checkpoint.dcp", learn.model, learn.collective)["epoch"]
-    3
+        read_meta("models/checkpoint.dcp", learn.model, learn.collective)["epoch"]
     """
     path = Path(directory)
     rank, world = (collective.rank, collective.world_size) if collective is not None else (0, 1)
@@ -312,7 +311,7 @@ def load_sharded(
     `model`, sharded or not, on any number of processes: each rank reads the slices it holds.
     Check with `read_meta` first. A collective: every rank calls it.
 
-    >>> load_sharded("models/checkpoint.dcp", learn.model, learn.opt, learn.collective)
+        load_sharded("models/checkpoint.dcp", learn.model, learn.opt, learn.collective)
     """
     path = Path(directory)
     saved_opt = any(
@@ -337,7 +336,7 @@ def load_full_into_sharded(
     """Load a plain checkpoint's full `state_dict`s (a one-process or DDP run's) into a sharded
     model and its optimizer; each rank keeps its own slices.
 
-    >>> load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
+        load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
     """
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     if opt is None or opt_state is None:
@@ -425,8 +424,8 @@ def export_state_dict(checkpoint: str | os.PathLike[str], file: str | os.PathLik
     or a `.pth` name whose sharded twin `.dcp` exists; of two, the newer is read. Runs on one
     process with no process group, and reads only the model's tensors.
 
-    >>> export_state_dict("models/checkpoint.pth", "model.pth")
-    >>> model.load_state_dict(torch.load("model.pth", weights_only=True))
+        export_state_dict("models/checkpoint.pth", "model.pth")
+        model.load_state_dict(torch.load("model.pth", weights_only=True))
     """
     path = Path(checkpoint)
     folder = path if path.suffix == ".dcp" else find_sharded(sharded_path(path))

@@ -171,8 +171,7 @@ def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any,
     Hugging Face batch): the whole dict is the input, and its `labels` (or `label`) also
     the target that metrics read. Anything else: an input without targets.
 
-    >>> split_batch({"input_ids": ids, "labels": y})   # doctest: +SKIP
-    (({'input_ids': ids, 'labels': y},), (y,))
+        split_batch({"input_ids": ids, "labels": y})
     """
     if isinstance(batch, Mapping):
         for key in ("labels", "label"):
@@ -192,7 +191,7 @@ def call_model(model: nn.Module, xb: tuple[Any, ...]) -> Any:
 
     For another calling convention, give the learner your own: `Learner(..., call_model=fn)`.
 
-    >>> call_model(model, ({"input_ids": ids, "attention_mask": mask},))   # doctest: +SKIP
+        call_model(model, ({"input_ids": ids, "attention_mask": mask},))
     """
     if len(xb) == 1 and isinstance(xb[0], Mapping):
         accepted = _keyword_names(model)
@@ -227,9 +226,11 @@ def _forward_keywords(cls: type) -> frozenset[str] | None:
 class DataLoaders:
     """A training and a validation `DataLoader`, as a `Learner` expects them.
 
-    >>> dls = DataLoaders(DataLoader(train_ds, batch_size=64, shuffle=True),
-    ...                   DataLoader(valid_ds, batch_size=128))
-    >>> dls.train, dls.valid, len(dls.loaders)
+    For example:
+
+        dls = DataLoaders(DataLoader(train_ds, batch_size=64, shuffle=True),
+                          DataLoader(valid_ds, batch_size=128))
+        dls.train, dls.valid, len(dls.loaders)
     """
 
     def __init__(self, train: DataLoader, valid: DataLoader | None = None):

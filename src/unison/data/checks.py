@@ -11,6 +11,8 @@ def refuse_empty_train(dl: Any, name: str = "dls.train") -> None:
     An empty train set otherwise "trains" an epoch with a `nan` loss and succeeds. Loaders
     whose length cannot be known without reading them (an `IterableDataset`) pass unchecked.
 
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
     >>> refuse_empty_train(DataLoader(TensorDataset(torch.zeros(0, 3)), batch_size=4))
     Traceback (most recent call last):
     ValueError: fit: the train loader (dls.train) is empty: its dataset (TensorDataset) has 0 items, ...

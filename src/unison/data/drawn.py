@@ -12,8 +12,8 @@ With no generator the global one is replayed from its state at hand-over: equal 
 order in every epoch when nothing else in the loop draws from the global generator (no dropout, no
 random augmentation); else equal in the first epoch, and still one order for every W.
 
->>> drawn = DrawnOrder(DataLoader(ds, batch_size=8, shuffle=True, generator=g))   # doctest: +SKIP
->>> drawn.order(dl.sampler, epoch=1)          # what the plain loop's second epoch iterates
+    drawn = DrawnOrder(DataLoader(ds, batch_size=8, shuffle=True, generator=g))
+    drawn.order(dl.sampler, epoch=1)          # what the plain loop's second epoch iterates
 """
 
 from __future__ import annotations

@@ -258,14 +258,18 @@ class DistributedDL:
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the order of `epoch`.
 
-        >>> ddl.set_epoch(3); first = next(iter(ddl))  # doctest: +SKIP
+        For example:
+
+            ddl.set_epoch(3); first = next(iter(ddl))
         """
         self.epoch = int(epoch)
 
     def set_start(self, batch_index: int) -> None:
         """Skip the first `batch_index` batches of the next iteration, without loading them (resume).
 
-        >>> ddl.set_epoch(2); ddl.set_start(5)  # continue epoch 2 at its 6th batch  # doctest: +SKIP
+        For example:
+
+            ddl.set_epoch(2); ddl.set_start(5)  # continue epoch 2 at its 6th batch
         """
         if batch_index < 0:
             raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")

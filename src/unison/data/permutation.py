@@ -195,7 +195,7 @@ class ScalableRandomSampler(Sampler[int]):
     order chunk by chunk. Under unison a loader with this sampler is sharded in that order (its
     generator pinned to the data seed), each rank evaluating only its own positions.
 
-    >>> dl = DataLoader(dataset, batch_size=256, sampler=ScalableRandomSampler(dataset))  # doctest: +SKIP
+        dl = DataLoader(dataset, batch_size=256, sampler=ScalableRandomSampler(dataset))
     """
 
     def __init__(self, data_source: Any, generator: torch.Generator | None = None) -> None:

@@ -1,8 +1,8 @@
 """Each loader's sharded form, made once and kept across epochs: a map-style loader becomes a
 `DistributedDL` (the global order strided over ranks), a stream a `StreamDL`.
 
->>> shards = LoaderShards()
->>> dl = shards.get(train_dl, pad=False, collective=c, epoch=0, seed=7)   # doctest: +SKIP
+    shards = LoaderShards()
+    dl = shards.get(train_dl, pad=False, collective=c, epoch=0, seed=7)
 """
 
 from __future__ import annotations

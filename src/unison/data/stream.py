@@ -234,8 +234,8 @@ class StreamDL:
     lets a Hugging Face stream read only this rank's shards (not one process's order; said once
     on rank 0); the default `"exact"` reads it as any stream.
 
-    >>> dl = DataLoader(MyStream(), batch_size=8)                       # doctest: +SKIP
-    >>> [b.shape for b in StreamDL(dl, rank=0, world_size=1)][:1]       # doctest: +SKIP
+        dl = DataLoader(MyStream(), batch_size=8)
+        [b.shape for b in StreamDL(dl, rank=0, world_size=1)][:1]
     """
 
     def __init__(

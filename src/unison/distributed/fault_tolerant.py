@@ -34,8 +34,8 @@ a stream or a custom collate_fn: the whole batch, said in one line). Costs (benc
 each step pays a commit vote (inside the group), every `quorum_interval` a quorum round-trip.
 Refused in one line: BatchNorm, `shard=True`, gradient accumulation.
 
->>> with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510  # doctest: +SKIP
-...     learn.fit(3)
+    with learn.distrib_ctx(fault_tolerant=True):   # TORCHFT_LIGHTHOUSE=http://host:29510
+        learn.fit(3)
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class FaultTolerantTrainer(Callback):
     `fetch_rows`: load only this process's rows of each step (None: where exact, see `ft_rows`;
     True: also through a custom collate_fn, which you vouch collates row by row; False: never).
 
-    >>> with learn.distrib_ctx(fault_tolerant={"min_replicas": 2}):       # doctest: +SKIP
-    ...     learn.fit(3)
+        with learn.distrib_ctx(fault_tolerant={"min_replicas": 2}):
+            learn.fit(3)
     """
 
     # First: the step's share is cut before any other callback sees the batch, and the gradient is

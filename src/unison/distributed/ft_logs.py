@@ -8,7 +8,7 @@ collective fails on a lost peer (gloo's "Connection closed by peer"), which unis
 by redoing the step. Those are kept for when they help: `verbose=True`
 (`distrib_ctx(fault_tolerant={"verbose": True})`), `UNISON_FT_VERBOSE=1`, or `unison launch -v`.
 
->>> quiet_torchft(verbose=False)   # before torchft starts: RUST_LOG=warn, tracebacks folded to one line
+    quiet_torchft(verbose=False)   # before torchft starts: RUST_LOG=warn, tracebacks folded to one line
 """
 
 from __future__ import annotations

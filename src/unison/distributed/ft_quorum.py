@@ -16,7 +16,7 @@ class QuorumWitness:
     """torchft's `ManagerClient`, passed through, keeping what each quorum said that the `Manager`
     keeps to itself: which replicas take part, and which one a healing replica copies.
 
-    >>> manager._client = QuorumWitness(manager._client)   # doctest: +SKIP
+        manager._client = QuorumWitness(manager._client)
     """
 
     def __init__(self, client: Any) -> None:

@@ -13,8 +13,8 @@ so the exact loss (`unison.exact_loss`) divides its gradient by what it can know
 
 Either way every replica ends with the gradient of the whole global batch, and the loss of it.
 
->>> step = StepVector.pack(learn)                                          # doctest: +SKIP
->>> manager.allreduce(step.flat).wait(); step.unpack(learn)                # doctest: +SKIP
+    step = StepVector.pack(learn)
+    manager.allreduce(step.flat).wait(); step.unpack(learn)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def group_sum(flat: Tensor, replica_id: str) -> None:
     """Sum `flat` in place over this replica group (its own gloo group, `unison launch --nproc G`);
     a peer of the group that died or stalls ends the whole group (`ReplicaGroupLostError`).
 
-    >>> group_sum(step.flat, "a")   # doctest: +SKIP
+        group_sum(step.flat, "a")
     """
     try:
         dist.all_reduce(flat)

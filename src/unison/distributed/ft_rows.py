@@ -19,7 +19,7 @@ Where the rows cannot be loaded alone, the whole batch is loaded and sliced, as 
 loader unison does not plan, or a `collate_fn` other than torch's default, which may join rows
 (pad each to the batch's longest); `fetch_rows=True` vouches that it collates row by row.
 
->>> loads = RowLoads(sharded_dl, split=lambda: (1, 2))   # rows 1, 3, 5, ... of each step  # doctest: +SKIP
+    loads = RowLoads(sharded_dl, split=lambda: (1, 2))   # rows 1, 3, 5, ... of each step
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ Split = tuple[int, int]
 def rows_of(x: Any, first: int, stride: int) -> Any:
     """Rows `first, first + stride, ...` of a (nested) batch; scalars and non-tensors kept.
 
-    >>> rows_of((torch.arange(5),), 1, 2)   # doctest: +SKIP
+    >>> import torch
+    >>> rows_of((torch.arange(5),), 1, 2)
     (tensor([1, 3]),)
     """
     return map_tensors(lambda t: t[first::stride] if t.dim() else t, x)
@@ -55,8 +56,7 @@ def load_problem(dl: Any, fetch_rows: bool | None) -> str | None:
     """Why a replica must load the whole batch of each step from `dl` (None: it loads its rows).
     `fetch_rows`: None decides, True vouches for a custom `collate_fn`, False always loads whole.
 
-    >>> load_problem(DataLoader(stream, batch_size=4), None)   # doctest: +SKIP
-    'the loader streams (an IterableDataset): its items cannot be fetched by index'
+        load_problem(DataLoader(stream, batch_size=4), None)
     """
     if fetch_rows is False:
         return "fetch_rows=False"

@@ -78,7 +78,7 @@ class DistributedTrainer(Callback):
     `setup()` runs when attached, so `fit`, `validate`, `get_preds` and `lr_find` all run
     distributed inside `distrib_ctx`; `restore()` puts everything back as it was.
 
-    >>> learn.add_cb(DistributedTrainer(sync_bn=True)).get_cb(DistributedTrainer).setup()
+        learn.add_cb(DistributedTrainer(sync_bn=True)).get_cb(DistributedTrainer).setup()
     """
 
     # Last: it reads grad_sync after GradientAccumulation set it, and marks "entering the
@@ -222,8 +222,10 @@ class DistributedTrainer(Callback):
 class ParallelTrainer(Callback):
     """Single-process `DataParallel` over `device_ids`; `Learner.to_parallel` attaches it.
 
-    >>> with learn.parallel_ctx([0, 1]):
-    ...     learn.fit(1)
+    For example:
+
+        with learn.parallel_ctx([0, 1]):
+            learn.fit(1)
     """
 
     order = -10

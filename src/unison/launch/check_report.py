@@ -5,9 +5,8 @@ difference, per step the losses, the epoch values. `describe` gives the report's
 the one line and the exit status, and `noise_hint` names a differing parameter whose gradient was
 float noise (a bias that a following BatchNorm cancels), the likely cause of a difference.
 
->>> cmp = compare(record_1_process, record_2_processes)
->>> verdict(cmp, None, 2, None)
-(0, 'agrees to float32 rounding: 2 processes and 1 differ by 2.4e-07 relative (<= 1e-05); ...')
+    cmp = compare(record_1_process, record_2_processes)
+    verdict(cmp, None, 2, None)
 """
 
 from __future__ import annotations
@@ -280,7 +279,7 @@ def noise_hint(noise: dict[str, float], differing: Sequence[str], dtype: str) ->
     """One line naming the parameters of `differing` whose gradient is rounding noise, or None.
 
     >>> noise_hint({"0.bias": 8.5e-17}, ["0.bias", "1.running_mean"], "float64")
-    "hint: 0.bias's gradient is zero but for rounding (at most 8.5e-17 of the largest, in float64): ..."
+    "hint: 0.bias's gradient is zero but for rounding (at most 8.5e-17 of the model's largest, ..."
     """
     named = list(dict.fromkeys(n for n in differing if n in noise))
     if not named:

@@ -199,7 +199,8 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
     when the tensors alone do not fit); temp files left by killed writers are removed.
     With `keep_previous`, the file replaced is kept as `previous_path(path)`.
 
-        atomic_save({"unison_format": 1, "model": model.state_dict()}, "models/m.pth")
+    >>> print(atomic_save({"unison_format": 1, "model": torch.nn.Linear(2, 1).state_dict()}, "models/m.pth"))
+    models/m.pth
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -171,7 +171,8 @@ def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any,
     Hugging Face batch): the whole dict is the input, and its `labels` (or `label`) also
     the target that metrics read. Anything else: an input without targets.
 
-        split_batch({"input_ids": ids, "labels": y})
+    >>> split_batch({"input_ids": torch.tensor([[5, 7]]), "labels": torch.tensor([1])})
+    (({'input_ids': tensor([[5, 7]]), 'labels': tensor([1])},), (tensor([1]),))
     """
     if isinstance(batch, Mapping):
         for key in ("labels", "label"):
@@ -226,11 +227,12 @@ def _forward_keywords(cls: type) -> frozenset[str] | None:
 class DataLoaders:
     """A training and a validation `DataLoader`, as a `Learner` expects them.
 
-    For example:
-
-        dls = DataLoaders(DataLoader(train_ds, batch_size=64, shuffle=True),
-                          DataLoader(valid_ds, batch_size=128))
-        dls.train, dls.valid, len(dls.loaders)
+    >>> from torch.utils.data import TensorDataset
+    >>> train_ds, valid_ds = TensorDataset(torch.zeros(256, 3)), TensorDataset(torch.zeros(64, 3))
+    >>> dls = DataLoaders(DataLoader(train_ds, batch_size=64, shuffle=True),
+    ...                   DataLoader(valid_ds, batch_size=128))
+    >>> len(dls.train), len(dls.valid), len(dls.loaders)   # train batches, valid batches, loaders
+    (4, 1, 2)
     """
 
     def __init__(self, train: DataLoader, valid: DataLoader | None = None):

@@ -56,7 +56,11 @@ def load_problem(dl: Any, fetch_rows: bool | None) -> str | None:
     """Why a replica must load the whole batch of each step from `dl` (None: it loads its rows).
     `fetch_rows`: None decides, True vouches for a custom `collate_fn`, False always loads whole.
 
-        load_problem(DataLoader(stream, batch_size=4), None)
+    >>> from torch.utils.data import DataLoader
+    >>> print(load_problem(DistributedDL(DataLoader(range(8), batch_size=4), 0, 2), None))
+    None
+    >>> print(load_problem(DistributedDL(DataLoader(range(8), batch_size=4, collate_fn=list), 0, 2), None))
+    its collate_fn (list) may join rows (pad to the batch's longest); ...
     """
     if fetch_rows is False:
         return "fetch_rows=False"

@@ -46,7 +46,11 @@ def unwritable_folder(folder: Path) -> str | None:
     It makes and removes a file there, as a save does (the mode bits alone do not tell: root
     ignores them, a read-only mount refuses root too).
 
-        unwritable_folder(Path("/ckpt/models"))   # a read-only mount
+    >>> _ = Path("notes.txt").write_text("")
+    >>> print(unwritable_folder(Path("notes.txt/models")))   # a file where the folder would go
+    Checkpoint: cannot write checkpoints to notes.txt/models: [Errno 20] Not a directory ...
+    >>> print(unwritable_folder(Path("models")))
+    None
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -258,18 +258,20 @@ class DistributedDL:
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the order of `epoch`.
 
-        For example:
-
-            ddl.set_epoch(3); first = next(iter(ddl))
+        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2, shuffle=True), 0, 1, seed=0)
+        >>> ddl.set_epoch(3); first = next(iter(ddl))
+        >>> ddl.set_epoch(3); bool((next(iter(ddl)) == first).all())   # the same epoch, the same order
+        True
         """
         self.epoch = int(epoch)
 
     def set_start(self, batch_index: int) -> None:
         """Skip the first `batch_index` batches of the next iteration, without loading them (resume).
 
-        For example:
-
-            ddl.set_epoch(2); ddl.set_start(5)  # continue epoch 2 at its 6th batch
+        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2), 0, 1)
+        >>> ddl.set_epoch(2); ddl.set_start(3)   # continue epoch 2 at its 4th batch
+        >>> list(ddl)
+        [tensor([6, 7])]
         """
         if batch_index < 0:
             raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")

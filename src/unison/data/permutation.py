@@ -195,7 +195,9 @@ class ScalableRandomSampler(Sampler[int]):
     order chunk by chunk. Under unison a loader with this sampler is sharded in that order (its
     generator pinned to the data seed), each rank evaluating only its own positions.
 
-        dl = DataLoader(dataset, batch_size=256, sampler=ScalableRandomSampler(dataset))
+    >>> sampler = ScalableRandomSampler(range(10), generator=torch.Generator().manual_seed(0))
+    >>> sorted(sampler) == list(range(10)), len(sampler)   # every item once
+    (True, 10)
     """
 
     def __init__(self, data_source: Any, generator: torch.Generator | None = None) -> None:

@@ -234,8 +234,11 @@ class StreamDL:
     lets a Hugging Face stream read only this rank's shards (not one process's order; said once
     on rank 0); the default `"exact"` reads it as any stream.
 
-        dl = DataLoader(MyStream(), batch_size=8)
-        [b.shape for b in StreamDL(dl, rank=0, world_size=1)][:1]
+    >>> class Numbers(IterableDataset):
+    ...     def __iter__(self):
+    ...         return iter(torch.arange(20.0))
+    >>> [len(b) for b in StreamDL(DataLoader(Numbers(), batch_size=8), rank=0, world_size=1)]
+    [8, 8, 4]
     """
 
     def __init__(

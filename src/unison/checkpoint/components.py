@@ -40,8 +40,11 @@ def kept_hyperparameters(opt: torch.optim.Optimizer | None) -> Iterator[None]:
     they were before the block: a torch scheduler built or loaded on a restored optimizer may write
     its own values into it, and a resume continues from the restored ones.
 
-        with kept_hyperparameters(opt):
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+    >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.5, momentum=0.9)
+    >>> with kept_hyperparameters(opt):
+    ...     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+    >>> opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]   # not OneCycleLR's 0.004, 0.95
+    (0.5, 0.9)
     """
     groups = opt.param_groups if opt is not None else []
     kept = [{k: v for k, v in group.items() if k != "params"} for group in groups]

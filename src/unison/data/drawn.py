@@ -12,8 +12,12 @@ With no generator the global one is replayed from its state at hand-over: equal 
 order in every epoch when nothing else in the loop draws from the global generator (no dropout, no
 random augmentation); else equal in the first epoch, and still one order for every W.
 
-    drawn = DrawnOrder(DataLoader(ds, batch_size=8, shuffle=True, generator=g))
-    drawn.order(dl.sampler, epoch=1)          # what the plain loop's second epoch iterates
+>>> dl = DataLoader(range(6), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+>>> drawn = DrawnOrder(dl)
+>>> [[int(i) for b in dl for i in b] for epoch in range(2)]   # the plain loop's two epochs
+[[5, 1, 0, 3, 2, 4], [4, 2, 1, 3, 0, 5]]
+>>> drawn.order(dl.sampler, epoch=1)          # its second epoch, drawn again
+tensor([4, 2, 1, 3, 0, 5])
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-lint: $(STAMP)
+# ruff, and mypy over src/unison ([tool.mypy] in pyproject.toml).
+lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check src tests examples benchmarks docs/*.py
 	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/*.py
 
-# mypy over src/unison ([tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 

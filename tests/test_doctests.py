@@ -16,15 +16,6 @@ import pytest
 
 import unison
 
-#: Modules whose docstrings other work in progress owns, not collected yet: their `>>>` lines
-#: become doctests or plain code blocks there, and then leave this list.
-NOT_YET = {
-    "unison.run",
-    "unison.run_host",
-    "unison.engine",
-}
-NOT_YET_PREFIXES: tuple[str, ...] = ()
-
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -37,16 +28,10 @@ def modules() -> list[str]:
     return sorted(names)
 
 
-def collected(name: str) -> bool:
-    return name not in NOT_YET and not name.startswith(NOT_YET_PREFIXES)
-
-
 def examples() -> list:
     params = []
     finder = doctest.DocTestFinder(exclude_empty=True)
     for name in modules():
-        if not collected(name):
-            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as missing:  # an optional package (torchft, fastai) not installed
@@ -73,8 +58,6 @@ def test_every_example_is_a_doctest_or_plain_code():
     a plain code block instead."""
     skipped = []
     for name in modules():
-        if not collected(name):
-            continue
         source = importlib.util.find_spec(name).origin
         with open(source) as f:
             for number, line in enumerate(f, 1):

@@ -11,7 +11,7 @@ callbacks read and set. Neither loop re-implements what is here.
   (the loss as a sum and a count, what to backpropagate), `backward` (then the gradient of the
   global batch) and `optimizer_step` (the scaler's when there is one).
 
->>> attach_strategy(learn, ParallelConfig(shard=True))   # learn.to_distributed(shard=True)  # doctest: +SKIP
+    attach_strategy(learn, ParallelConfig(shard=True))   # learn.to_distributed(shard=True)
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ class Run:
     ("stop", "requeue" or None).
     `run.recorder` holds each epoch's exact training (and validation) loss.
 
-    >>> with unison.Run() as run:                       # doctest: +SKIP
-    ...     model, opt = run.setup(model, torch.optim.AdamW(model.parameters()))
+        with unison.Run() as run:
+            model, opt = run.setup(model, torch.optim.AdamW(model.parameters()))
     """
 
     def __init__(
@@ -138,7 +138,7 @@ class Run:
         accumulation micro-steps, not in a redone torchft pass), and its state is checkpointed and
         carried by a torchft heal. `run.setup(model)` alone: evaluation only (returns the model).
 
-        >>> model, opt, sched = run.setup(model, opt, OneCycleLR(opt, 1e-3, total_steps=n))  # doctest: +SKIP
+            model, opt, sched = run.setup(model, opt, OneCycleLR(opt, 1e-3, total_steps=n))
         """
         host = self.host
         if host.model is not None:
@@ -182,7 +182,7 @@ class Run:
         them in a torchft heal; restored after the optimizer, whose hyper-parameters they leave as
         restored. Register the same objects, in the same order, in the run that resumes.
 
-        >>> run.register_for_checkpointing(ema)                                  # doctest: +SKIP
+            run.register_for_checkpointing(ema)
         """
         for obj in objects:
             problem = stateful_problem(obj)
@@ -200,7 +200,7 @@ class Run:
         in train mode for a training pass, in eval mode for an evaluation. The first loader given is
         the training one (whose steps checkpoints count) unless `train` says otherwise.
 
-        >>> train = run.loader(DataLoader(ds, batch_size=32, shuffle=True))   # doctest: +SKIP
+            train = run.loader(DataLoader(ds, batch_size=32, shuffle=True))
         """
         host = self.host
         self._require_setup("loader")
@@ -226,7 +226,7 @@ class Run:
         the training loader continues at the step after it). Checkpoints, preemption and the
         non-finite check act between the batches and epochs of this loop.
 
-        >>> for epoch in run.epochs(10, resume=True): ...                  # doctest: +SKIP
+            for epoch in run.epochs(10, resume=True): ...
         """
         host = self.host
         self._require_setup("epochs")
@@ -260,7 +260,7 @@ class Run:
         each rank's count. Per-item losses (`reduction="none"`) need no count; `reduction="mean"`
         with `count` takes a mean. In evaluation it returns the batch's mean loss.
 
-        >>> loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))  # doctest: +SKIP
+            loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))
         """
         host = self.host
         if not isinstance(value, Tensor):
@@ -321,7 +321,7 @@ class Run:
         writer; every rank its own shards with `shard=True`). Call it before the loop or in it;
         `run.epochs(n, resume=True)` continues from it. Returns the checkpoint's file.
 
-        >>> run.checkpoint(every=100)                                           # doctest: +SKIP
+            run.checkpoint(every=100)
         """
         ckpt = self.host.get_cb(Checkpoint)
         accumulate = self.host.accumulate
@@ -347,7 +347,7 @@ class Run:
         """`value` (a tensor, or a tuple / list / dict of them, one row per item of this rank's batch)
         from every rank, rows in data order, on every rank: each valid item once, padding never.
 
-        >>> preds = run.gather(model(x).argmax(1))                               # doctest: +SKIP
+            preds = run.gather(model(x).argmax(1))
         """
         return map_tensors(lambda t: self.host.collective.gather_ordered(t), value)
 
@@ -390,7 +390,7 @@ class Run:
         accumulated step (Accelerate's `sync_gradients`), not a torchft pass whose commit failed.
         A per-step counter or a scheduler stepped your own way steps when this is True.
 
-        >>> opt.step(); step += run.sync_gradients                           # doctest: +SKIP
+            opt.step(); step += run.sync_gradients
         """
         host = self.host
         return bool(host.grad_sync and not host.redo_step)
@@ -402,7 +402,7 @@ class Run:
         is skipped, as the `step()` of a scheduler given to `run.setup` is; skip your own per-step
         bookkeeping too (or count steps by `run.sync_gradients`).
 
-        >>> opt.step(); step += 0 if run.redoing else 1                      # doctest: +SKIP
+            opt.step(); step += 0 if run.redoing else 1
         """
         return self.host.redo_step
 

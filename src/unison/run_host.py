@@ -5,7 +5,7 @@ the batch events as your loop iterates, and `RunOptimizer`, which fires the step
 The `Run` (`unison.run`) is the API; this is what it drives. They are two objects so that the
 engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(...)`) never meet.
 
->>> host = RunHost(ParallelConfig(), accumulate=1, path=Path("."), model_dir=Path("models"))  # doctest: +SKIP
+    host = RunHost(ParallelConfig(), accumulate=1, path=Path("."), model_dir=Path("models"))
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ class RunScheduler:
     steps only (as `opt.step()` does): a no-op on accumulation micro-steps and in a torchft pass
     whose commit failed (the loop body runs again and steps then). Everything else is the scheduler's.
 
-    >>> model, opt, sched = run.setup(model, opt, sched); ...; opt.step(); sched.step()   # doctest: +SKIP
+        model, opt, sched = run.setup(model, opt, sched); ...; opt.step(); sched.step()
     """
 
     def __init__(self, host: RunHost, scheduler: Any) -> None:

@@ -218,7 +218,8 @@ class UnisonBridge(fastai_core.Callback):
         if self.world_size > 1 and host.collective.rank != 0:
             self.quiet_depth += 1  # (a get_preds inside a fit is a fit inside a fit)
             if self.quiet_depth == 1:
-                self.quiet.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))  # noqa: SIM115
+                devnull = self.quiet.enter_context(open(os.devnull, "w"))
+                self.quiet.enter_context(contextlib.redirect_stdout(devnull))
         if learn.lock.locked():
             return  # validate / get_preds: fastai's own before_fit, no fit for the engine's callbacks
         if self.world_size > 1:

@@ -3,7 +3,7 @@
 Unpickling imports a class's module before anything else: Ray Train's workers (and any spawn-based
 pool) unpickle a training function whose closure names `unison.checkpoint.callback.Checkpoint`, and
 that import failed on a package-level circle (`unison.callbacks` re-exported `Checkpoint`, whose
-module imports `unison.callbacks.core`). The layout test checks module imports; this checks what an
+module imported this package). The layout test checks module imports; this checks what an
 interpreter does with them, package `__init__`s included.
 """
 

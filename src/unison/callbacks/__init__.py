@@ -2,15 +2,6 @@
 
 from typing import TYPE_CHECKING
 
-from unison.callbacks.core import (
-    EVENTS,
-    Callback,
-    CancelBatchException,
-    CancelEpochException,
-    CancelFitException,
-    CancelTrainException,
-    CancelValidException,
-)
 from unison.callbacks.loggers import CSVLogger, TensorBoardLogger
 from unison.callbacks.precision import MixedPrecision
 from unison.callbacks.progress import ProgressCallback
@@ -19,6 +10,15 @@ from unison.callbacks.schedule import LRFinder, LRSchedulerCallback, OneCycleSch
 from unison.callbacks.tracker import EarlyStopping, SaveModelCallback, TrackerCallback
 from unison.callbacks.trackers import MLflowLogger, WandbLogger
 from unison.callbacks.training import GradientAccumulation, GradientClip
+from unison.events import (
+    EVENTS,
+    Callback,
+    CancelBatchException,
+    CancelEpochException,
+    CancelFitException,
+    CancelTrainException,
+    CancelValidException,
+)
 
 if TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use below
     from unison.checkpoint.callback import Checkpoint
@@ -51,8 +51,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """`Checkpoint` on first use: its module imports `unison.callbacks.core`, so an eager import here
-    made `import unison.checkpoint.callback` fail when it came first (as unpickling does it)."""
+    """`Checkpoint` on first use: importing `unison.callbacks` does not import the checkpoint package
+    (a module there, imported first, as unpickling does, then never meets a half-made package)."""
     if name == "Checkpoint":
         from unison.checkpoint.callback import Checkpoint
 

@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-from unison.callbacks.core import Callback
 from unison.callbacks.nonfinite import Mode, NonFiniteCheck
 from unison.callbacks.preemption import OnPreempt, Preemption
 from unison.callbacks.progress import ProgressCallback
 from unison.callbacks.recorder import Recorder
+from unison.events import Callback
 
 
 def default_callbacks(

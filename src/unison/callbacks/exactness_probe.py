@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from unison.callbacks.core import Callback, CancelFitException, CancelTrainException
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
+from unison.events import Callback, CancelFitException, CancelTrainException
 
 if TYPE_CHECKING:
     from unison.learner_view import EngineHost, LearnerView

@@ -10,7 +10,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from unison.callbacks.core import Callback
+from unison.events import Callback
 
 
 class CSVLogger(Callback):

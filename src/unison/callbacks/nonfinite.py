@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from unison.callbacks.core import Callback, CancelBatchException
 from unison.distributed.fsdp import is_sharded
+from unison.events import Callback, CancelBatchException
 from unison.rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:

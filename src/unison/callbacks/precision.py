@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from unison.callbacks.core import Callback
 from unison.distributed.devices import bf16_supported
+from unison.events import Callback
 
 _DTYPES = {
     "bf16": torch.bfloat16,

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from unison.callbacks.core import Callback
 from unison.env_names import REQUEUE_ENV
+from unison.events import Callback
 from unison.signals import PREEMPTED_EXIT, parse_signals, preempt_signals
 
 if TYPE_CHECKING:

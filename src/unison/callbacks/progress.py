@@ -17,9 +17,9 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from unison.bar_sender import send_bars
-from unison.callbacks.core import Callback
 from unison.data.stream import loader_length
 from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
+from unison.events import Callback
 
 
 class ProgressCallback(Callback):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from unison.callbacks.core import Callback
+from unison.events import Callback
 from unison.metrics import WeightedMean, update_metric
 
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from unison.callbacks.core import Callback, CancelFitException, CancelValidException
 from unison.checkpoint.components import kept_hyperparameters
 from unison.data.stream import loader_length
+from unison.events import Callback, CancelFitException, CancelValidException
 from unison.optim import top_lr
 
 if TYPE_CHECKING:
-    from unison.callbacks.learner_view import LearnerView
+    from unison.learner_view import LearnerView
 
 
 def cosine(start: float, end: float, pct: float) -> float:

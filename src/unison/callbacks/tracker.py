@@ -12,7 +12,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from unison.callbacks.core import Callback, CancelFitException
+from unison.events import Callback, CancelFitException
 
 
 class TrackerCallback(Callback):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unison.callbacks.core import Callback
+from unison.events import Callback
 
 __all__ = ["MLflowLogger", "TrackerLogger", "WandbLogger"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from unison.callbacks.core import Callback, CancelBatchException
+from unison.events import Callback, CancelBatchException
 
 
 class GradientClip(Callback):

@@ -222,3 +222,25 @@ def test_the_fastai_example_passes_check_exact_on_2_processes() -> None:
     proc = run([*cmd, str(EXAMPLE)])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "exact to float noise" in proc.stdout
+
+
+def test_gradient_accumulation_with_checkpoints_on_one_process_is_refused_before_a_step(
+    tmp_path: Path,
+) -> None:
+    """On one process the bridge leaves fastai's GradientAccumulation alone, so its checkpoints would fall
+    mid-step and keep no accumulated gradient: a resume would end off the uninterrupted run. Refused."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from fastai.tabular.all import GradientAccumulation
+    from fastai_bridge import build
+
+    from unison.fastai import distrib_ctx
+
+    learn = build(64)
+    learn.path = tmp_path
+    before = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    with (
+        pytest.raises(ValueError, match="GradientAccumulation with checkpoints"),
+        distrib_ctx(learn, checkpoint_every=3),
+    ):
+        learn.fit(1, cbs=[GradientAccumulation(128)])
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())  # no step taken

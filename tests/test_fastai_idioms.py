@@ -175,3 +175,19 @@ def test_a_ranks_own_error_is_reported_as_its_own_not_as_a_stall(tmp_path: Path)
     assert proc.returncode != 0
     assert "did not receive grad" in proc.stderr and "find_unused_parameters" in proc.stderr
     assert "stopped taking part" not in proc.stderr
+
+
+def test_gradient_accumulation_that_ends_an_epoch_mid_step_is_refused_with_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """n_acc 100 at a global batch of 60 leaves 60 rows of a step at each epoch's end; a checkpoint there
+    keeps no accumulated gradient, so with checkpoints the job is refused before a step, not resumed
+    silently off the uninterrupted run."""
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SCRIPT), "--out", str(tmp_path / "x")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_or_report(
+        [*cmd, "--no-lr-find", "--accumulate", "100", "--every", "3"], 300, env=env, cwd=tmp_path
+    )
+    assert proc.returncode != 0
+    assert "GradientAccumulation with checkpoints" in proc.stderr and "60 rows into a step" in proc.stderr
+    assert not (tmp_path / "models" / "checkpoint.pth").exists()

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastai.callback.core import CancelBatchException
 
-__all__ = ["Accumulation", "find_accumulation"]
+__all__ = ["Accumulation", "find_accumulation", "refuse_unresumable"]
 
 
 class Accumulation:
@@ -43,6 +43,27 @@ class Accumulation:
         if not self.step_now:
             raise CancelBatchException()  # keep the gradients, skip step and zero_grad (as fastai's)
         self.count = 0
+
+
+def refuse_unresumable(learn: Any, train_shard: Any, world_size: int) -> None:
+    """A checkpoint keeps no accumulated gradient: with checkpoints, fastai's `GradientAccumulation`
+    resumes exactly only where every save falls on an optimizer step, so on W > 1 processes (mid-epoch
+    saves come at steps) and with every epoch ending on one. Else one line, before the first step."""
+    found = [cb for cb in learn.cbs if type(cb).__name__ == "GradientAccumulation"]
+    if not found:
+        return
+    left, n_acc = 0, int(found[0].n_acc)
+    for k in range(len(train_shard)):  # (one epoch, counted as `Accumulation` counts it)
+        left += train_shard.global_rows(k)
+        left = 0 if left >= n_acc else left
+    if world_size == 1 or left:
+        raise ValueError(
+            "unison.fastai: fastai's GradientAccumulation with checkpoints would resume off the "
+            "uninterrupted run (a checkpoint keeps no accumulated gradient; on "
+            f"{world_size} process(es) an epoch ends {left} rows into a step, or one process saves "
+            "mid-step): train on W > 1 processes with n_acc dividing an epoch's rows, or without "
+            "checkpoint_every/resume"
+        )
 
 
 def find_accumulation(learn: Any) -> Accumulation | None:

@@ -45,7 +45,7 @@ from unison.checkpoint.callback import Checkpoint
 from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
-from unison.fastai.accumulation import Accumulation, find_accumulation
+from unison.fastai.accumulation import Accumulation, find_accumulation, refuse_unresumable
 from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree
 from unison.fastai.lr_find import end_sweep, start_sweep
 from unison.fastai.state import (
@@ -198,6 +198,8 @@ class UnisonBridge(fastai_core.Callback):
     def before_fit(self) -> None:
         learn, host = self.learn, self.host
         names = {type(cb).__name__ for cb in learn.cbs}
+        if self.checkpointing and "LRFinder" not in names and not learn.lock.locked():
+            refuse_unresumable(learn, self.shard(learn.dls.train, pad=False), self.world_size)
         if self.world_size > 1 and not learn.lock.locked():
             self.accumulation = find_accumulation(learn)
         self.sweep = "LRFinder" in names

@@ -13,7 +13,6 @@ it still yields a batch (and takes part in every collective) that the learner tr
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -28,12 +27,7 @@ from unison.data.drawn import DrawnOrder
 from unison.data.permutation import PermutedOrder, pick_order
 from unison.data.plan import PositionPlan, RankPlan, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import is_rank_sharded
-
-
-def _mix(*parts: int | str) -> int:
-    """A 63-bit value from `parts`, the same in every process (unlike `hash`)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+from unison.rng import mix_seed
 
 
 def shard_problem(dl: Any) -> str | None:
@@ -297,7 +291,7 @@ class DistributedDL:
             return torch.tensor(joined, dtype=torch.long) if ints else joined
         if self.drawn is not None:
             return self.drawn.order(self.sampler, epoch, self.order == "scalable")
-        return sampler_order(self.sampler, _mix(self.seed, epoch), epoch, self.order == "scalable")
+        return sampler_order(self.sampler, mix_seed(self.seed, epoch), epoch, self.order == "scalable")
 
     def _dealt_batches(self, epoch: int) -> list[list[Any]]:
         """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""
@@ -306,7 +300,7 @@ class DistributedDL:
             if self.drawn is not None:
                 batches = self.drawn.order(batch_sampler, epoch)
             else:
-                batches = sampler_order(batch_sampler, _mix(self.seed, epoch), epoch)
+                batches = sampler_order(batch_sampler, mix_seed(self.seed, epoch), epoch)
             # A batch sampler's order is a list of batches (an empty one a tensor), never a PermutedOrder.
             self._dealt_cache = (epoch, [list(b) for b in cast("torch.Tensor | list[Any]", batches)])
         return self._dealt_cache[1]
@@ -409,7 +403,7 @@ class DistributedDL:
         self._plan_start = start
         self.epoch = epoch + 1
         if self._dl.generator is None:
-            self._gen.manual_seed(_mix(self.seed, epoch, self.rank, "workers"))
+            self._gen.manual_seed(mix_seed(self.seed, epoch, self.rank, "workers"))
         return iter(self._inner)
 
     def state_dict(self) -> None:

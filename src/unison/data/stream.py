@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from unison.data.batch import batch_size_of
 from unison.data.fingerprint import _fixed_rng, item_print
-from unison.data.loader import _mix
+from unison.rng import mix_seed
 
 _END = object()
 SPLITS = ("exact", "by_node")
@@ -356,7 +356,7 @@ class StreamDL:
         collate_fn = dl.collate_fn
         if self.generic:
             skip = start * (self.batch_size or 1)
-            seed = _mix(self.seed, epoch, "stream first item")
+            seed = mix_seed(self.seed, epoch, "stream first item")
             dataset = RankStream(dataset, self.rank, self.world_size, self.batch_size or 1, skip, seed)
             collate_fn = _TagCollate(dl.collate_fn, batched=dl.batch_size is not None)
         kwargs: dict[str, Any] = {}
@@ -381,7 +381,7 @@ class StreamDL:
         seeded by epoch and rank keeps the global RNG (dropout) untouched, so a resumed run matches."""
         if self._dl.generator is not None:
             return self._dl.generator
-        return torch.Generator().manual_seed(_mix(self.seed, epoch, self.rank, "stream workers"))
+        return torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank, "stream workers"))
 
     def _agree(self, rows: int, stuck: bool, print_: int | None, workers_differ: bool) -> tuple[int, bool]:
         """Every rank's rows summed, and whether any rank has no batch to pad with. On the generic

@@ -20,7 +20,7 @@ What it does not get: a fresh import of the preloaded modules, and the interpret
 garbage collection (the child leaves with `os._exit` after atexit, as unison's own workers do).
 
 Run warm: `[sys.executable, "script.py", ...]`, `[sys.executable, "-m", "unison.cli", "check-exact",
-...]` (whose launches are then forks of its child, `launch.forked_launch`, unless its environment
+...]` (whose launches are then forks of its child, `check.forked_launch`, unless its environment
 would make a launch fresh) and `[sys.executable, "-m", "unison.launch", ...]`. A launcher forks its
 zygote only where torch is not imported yet, or where `UNISON_PRELOADED_PID` names the process
 (`zygote.can_fork`): the child sets it for a launch, whose zygote is then a fork of this preloaded
@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from unison.launch.forked_launch import ForkedLaunch
+from unison.check.forked_launch import ForkedLaunch
 
 #: Set to 1 to run every command as a fresh interpreter (to tell the runner apart from a failure).
 FRESH_ENV = "UNISON_TEST_FRESH"
@@ -498,7 +498,7 @@ def start(
         "module": module,
         "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
         "env": dict(env if env is not None else os.environ),
-        # A launch, or check-exact's launches (`launch.forked_launch`), may fork from the child.
+        # A launch, or check-exact's launches (`check.forked_launch`), may fork from the child.
         "launch": module == "unison.launch" or (module == "unison.cli" and _launch_runs_warm(env)),
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_main(rest)
     if command == "check-exact":
-        from unison.launch.check import main as check_main
+        from unison.check.runs import main as check_main
 
         return check_main(rest)
     if command == "env":

@@ -25,7 +25,7 @@ WARM_START_ENV = "UNISON_WARM_START"
 #: The pid of a process that imported the zygote's `PRELOAD` and ran nothing else, under the launch's
 #: environment (the test suite's warm runner, tests/warm_runner.py): a launcher that is that process
 #: forks its zygote from itself although torch is loaded (`launch.zygote.can_fork`), and
-#: `unison check-exact` forks its launches from itself (`launch.forked_launch`).
+#: `unison check-exact` forks its launches from itself (`check.forked_launch`).
 PRELOADED_PID_ENV = "UNISON_PRELOADED_PID"
 #: `--timeout`: seconds every collective may take before a missing rank is named (`distributed.group`).
 TIMEOUT_ENV = "UNISON_TIMEOUT"

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.hangs import run_or_report
-from unison.launch.check import CheckError, compare, global_batch, main, preflight, scale_batch_arg, verdict
-from unison.launch.check_report import describe
+from unison.check.report import describe
+from unison.check.runs import CheckError, compare, global_batch, main, preflight, scale_batch_arg, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = [sys.executable, "-m", "unison.cli", "check-exact"]
@@ -280,7 +280,7 @@ def test_the_verdict_states_the_tolerance_each_figure_is_judged_at() -> None:
 def test_a_gradient_of_rounding_noise_is_named_as_the_likely_cause() -> None:
     """Per-parameter gradient sizes (relative to the model's largest) as the probe records them, with
     the figures measured on a Linear bias before a BatchNorm: 8.5e-17 and 7.3e-17 in float64."""
-    from unison.launch.check import noise_hint, rounding_noise_gradients
+    from unison.check.runs import noise_hint, rounding_noise_gradients
 
     runs = [
         {"float64": True, "grad_ratio": {"0.weight": 0.55, "0.bias": 8.5e-17, "3.bias": 1e-9}},

@@ -1,4 +1,4 @@
-"""`unison check-exact`'s launches as forks of a preloaded driver (`unison.launch.forked_launch`):
+"""`unison check-exact`'s launches as forks of a preloaded driver (`unison.check.forked_launch`):
 the same verdict as fresh launches, and a run past `--run-timeout` leaves nothing running."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from tests.hangs import communicate_or_report, wait_ended
 from tests.warm_runner import WarmProcess, server_env, start
-from unison.launch import forked_launch
+from unison.check import forked_launch
 
 CHECK = [sys.executable, "-m", "unison.cli", "check-exact", "--nproc", "2", "--steps", "3"]
 

@@ -1,6 +1,6 @@
 """`ExactnessProbe`: what `unison check-exact` records from a run of the user's own script.
 
-`unison check-exact` (see `unison.launch.check`) runs the script under `unison launch` with
+`unison check-exact` (see `unison.check.runs`) runs the script under `unison launch` with
 `UNISON_EXACT_PROBE` naming a file. Every `Learner` the script builds then gets this callback
 (`attach_if_checking`, called at the end of `Learner.__init__`), and the first `fit` of the
 process (an `lr_find` sweep does not count):

@@ -1,4 +1,4 @@
-"""The comparison and the report of `unison check-exact` (`unison.launch.check` runs the script).
+"""The comparison and the report of `unison check-exact` (`unison.check.runs` runs the script).
 
 Two probe records (1 process and W, the same dtype) become a `Comparison`: per tensor the largest
 difference, per step the losses, the epoch values. `describe` gives the report's lines, `verdict`

@@ -4,7 +4,7 @@
     unison check-exact --nproc 4 --batch-arg bs train.py --bs 256     # --bs is per process
 
 It runs the script under `unison launch` (a new interpreter each time, or a fork of this process
-where it preloaded torch: `launch.forked_launch`), on 1 process and on W, with `UNISON_EXACT_PROBE` set:
+where it preloaded torch: `check.forked_launch`), on 1 process and on W, with `UNISON_EXACT_PROBE` set:
 the script's first `Learner.fit` stops after `--steps` optimizer steps and rank 0 records the
 weights, each step's loss and the metrics (`unison.callbacks.exactness_probe`). With `--float64`
 the same two runs are made again in float64 (`--float64-only`: those alone). The report gives
@@ -40,9 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
-from unison.launch import forked_launch
-from unison.launch.check_report import (
+from unison.check import forked_launch
+from unison.check.report import (
     RTOL_FLOAT32,
     RTOL_FLOAT64,
     TOP,
@@ -54,6 +53,7 @@ from unison.launch.check_report import (
     rounding_noise_gradients,
     verdict,
 )
+from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 
 __all__ = ["CheckError", "Comparison", "compare", "main", "scale_batch_arg", "verdict"]
 

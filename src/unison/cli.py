@@ -38,7 +38,7 @@ def env_report(environ: dict[str, str] | None = None) -> str:
 
     import unison
     from unison.distributed.env import threads_per_worker, usable_cores
-    from unison.launch.network import default_route_interface, interface_for
+    from unison.distributed.network import default_route_interface, interface_for
 
     env = dict(os.environ if environ is None else environ)
     lines = [f"unison {unison.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}"]

@@ -91,7 +91,7 @@ def init_loop_state(host: Any) -> None:
 def _advertised_host(lighthouse: str | None) -> str:
     """How a torchft replica names its host to the others (its address on the route to the lighthouse)."""
     # Imported here: only a fault-tolerant run needs the launcher's network helpers.
-    from unison.launch.lighthouse import advertised_host
+    from unison.distributed.network import advertised_host
 
     return advertised_host(lighthouse)
 

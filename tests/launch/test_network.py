@@ -1,5 +1,5 @@
 """The launch's network choices, in this process: addresses, interfaces and routes
-(unison.launch.network), a port in use, and the lighthouse's address (unison.launch.lighthouse).
+(unison.distributed.network), a port in use, and the lighthouse's address (unison.launch.lighthouse).
 
 Each answer is checked against the machine itself, read another way: iproute2's JSON output
 (`ip -j`), sockets bound here. No launch, no lighthouse started: the in-process tier.
@@ -16,26 +16,26 @@ import subprocess
 
 import pytest
 
+from unison.distributed.network import (
+    UnresolvedHost,
+    advertised_host,
+    default_route_interface,
+    interface_addresses,
+    interface_for,
+    port_in_use,
+    reach_host,
+    resolve,
+    route_source,
+)
 from unison.launch.lighthouse import (
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
     LighthouseOptionError,
     ReplicaOptions,
     add_replica_options,
-    advertised_host,
-    reach_host,
     replica_options,
 )
-from unison.launch.network import (
-    StorePortHold,
-    default_route_interface,
-    interface_addresses,
-    interface_for,
-    port_in_use,
-    resolve,
-    route_source,
-)
-from unison.launch.options import LaunchError
+from unison.launch.torch_compat import StorePortHold
 
 
 def ip_json(*args: str) -> list[dict]:
@@ -72,7 +72,7 @@ def test_a_host_resolves_to_an_ipv4_address_first_or_fails_in_one_line():
     assert resolve("127.0.0.1") == (socket.AF_INET, "127.0.0.1")
     assert resolve("localhost") == (socket.AF_INET, "127.0.0.1")  # even where ::1 is listed first
     assert resolve("::1") == (socket.AF_INET6, "::1")
-    with pytest.raises(LaunchError) as refused:
+    with pytest.raises(UnresolvedHost) as refused:
         resolve("no-such-host.invalid")
     assert str(refused.value).startswith("cannot resolve host 'no-such-host.invalid': ")
     assert "\n" not in str(refused.value)

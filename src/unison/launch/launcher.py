@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
+from unison.distributed.network import UnresolvedHost, interface_for, port_in_use, resolve
 from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LAUNCHER_THREADS_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
 from unison.launch.environ import exported, quiet_torch_logs
@@ -45,7 +46,6 @@ from unison.launch.lighthouse import (
     served_lighthouse,
 )
 from unison.launch.neighbours import other_launches, sharing_note
-from unison.launch.network import interface_for, port_in_use, resolve
 from unison.launch.options import (
     LaunchError,
     TorchrunChoices,
@@ -59,7 +59,6 @@ from unison.launch.rendezvous import (
     BOUNDED_C10D,
     WatchWorkers,
     check_rdzv_endpoint,
-    heartbeat_store,
     private_rendezvous_file,
     rdzv_failure_hint,
     rdzv_store_configs,
@@ -295,7 +294,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
         host, sep, port = a.rdzv_endpoint.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise LaunchError(f"--rdzv-endpoint {a.rdzv_endpoint}: expected HOST:PORT")
-        resolve(host.strip("[]"))
+        _resolve(host.strip("[]"))
     elif max_nodes > 1 or master_addr or master_port is not None:
         if max_nodes > 1 and (master_addr is None or master_port is None):
             raise LaunchError(
@@ -312,7 +311,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
                 "(torch's static rendezvous cannot restart a multi-machine job)"
             )
         master_addr = master_addr or "127.0.0.1"
-        resolve(master_addr)
+        _resolve(master_addr)
         if node_rank == 0 and port_in_use(master_port):
             raise LaunchError(
                 f"--master-port {master_port} is already in use on this machine (node 0 hosts the "
@@ -325,6 +324,14 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
         master_addr, master_port, **{name: getattr(a, name) for name in passed}, torchrun=torchrun,
         replica=replica,
     )  # fmt: skip
+
+
+def _resolve(host: str) -> None:
+    """A host that does not resolve is a bad option (`LaunchError`, one line)."""
+    try:
+        resolve(host)
+    except UnresolvedHost as exc:
+        raise LaunchError(str(exc)) from None
 
 
 @dataclass
@@ -469,7 +476,7 @@ def launch(opts: LaunchOptions) -> int:
     if opts.rdzv_endpoint and opts.torchrun.rdzv_backend in (None, "c10d"):  # etcd's is no TCPStore
         try:
             check_rdzv_endpoint(opts.rdzv_endpoint, opts.rdzv_id)
-        except LaunchError as exc:
+        except (LaunchError, UnresolvedHost) as exc:
             print(f"unison launch: error: {exc}", file=sys.stderr)
             if zygote is not None:
                 zygote.stop()
@@ -603,6 +610,8 @@ def _start_zygote() -> Zygote:
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:
     """One machine: the launcher hosts the workers' heartbeat store (a frozen rank 0 cannot take it down)."""
+    from unison.distributed.heartbeat_store import heartbeat_store  # (loads torch: after the options)
+
     return heartbeat_store() if opts.max_nodes == 1 else contextlib.nullcontext({})
 
 

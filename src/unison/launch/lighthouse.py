@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 from unison.distributed.lighthouse import (
     HEARTBEAT_TIMEOUT_MS,
@@ -40,9 +37,8 @@ from unison.distributed.lighthouse import (
     QUORUM_TICK_MS,
     start_lighthouse,
 )
+from unison.distributed.network import port_in_use, reach_host
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
-from unison.launch.network import interface_for, port_in_use, resolve
-from unison.launch.options import LaunchError
 
 #: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
 DEFAULT_PORT = 29510
@@ -153,30 +149,6 @@ class ReplicaOptions:
         if self.replica_id:
             env[REPLICA_ENV] = self.replica_id
         return env
-
-
-def reach_host(lighthouse: str | None) -> str | None:
-    """The host of a lighthouse address `http://host:port` unless it is this machine's loopback.
-
-    >>> reach_host("http://10.0.0.1:29510"), reach_host("http://127.0.0.1:29510")
-    ('10.0.0.1', None)
-    """
-    host = urlparse(lighthouse).hostname if lighthouse else None
-    if not host:
-        return None
-    try:
-        addr = resolve(host)[1]
-    except LaunchError:
-        return None
-    return None if ipaddress.ip_address(addr).is_loopback else host
-
-
-def advertised_host(lighthouse: str | None) -> str:
-    """The name or address this process gives the other replicas to reach it: its address on the
-    route to the lighthouse when that is over a network, else the host name (one machine)."""
-    there = reach_host(lighthouse)
-    found = interface_for(there) if there else None
-    return found[1] if found else socket.gethostname()
 
 
 def add_replica_options(parser: argparse.ArgumentParser) -> None:

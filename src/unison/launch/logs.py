@@ -31,8 +31,8 @@ from unison.launch.failures import (
     oom_kills_since,
     reacted_to_a_peer,
 )
-from unison.launch.network import StorePortHold
 from unison.launch.rendezvous import private_dir, private_files
+from unison.launch.torch_compat import StorePortHold
 
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
 

@@ -1,8 +1,6 @@
-"""What the launcher hosts and watches beside torch's agent, so a frozen worker cannot hang a job.
+"""What the launcher watches beside torch's agent, so a frozen worker cannot hang a job, and the rendezvous it
+chooses (`check_rdzv_endpoint`, `private_rendezvous_file`, `rdzv_store_configs`, `rdzv_failure_hint`).
 
-- `heartbeat_store`: the store the workers' watchdogs publish their progress to, hosted in the
-  launcher (the agent's process), not in rank 0: a rank that freezes (SIGSTOP, swapped out,
-  D-state) must not take the store the others diagnose it with down with it.
 - `WatchWorkers`: torch's agent stops the workers with SIGTERM and waits before SIGKILL; a
   stopped process keeps a SIGTERM pending and never acts on it. This thread continues (SIGCONT)
   a child that is stopped with a SIGTERM pending, so it ends at once. And a worker that dies
@@ -17,53 +15,12 @@ import contextlib
 import ipaddress
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-
-def _listener(host: str) -> socket.socket:
-    """A listening socket on `host`, any free port (loopback stays loopback: nothing else can reach it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    return sock
-
-
-@contextlib.contextmanager
-def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
-    """Host the heartbeat store in this process for the block; yield the variables workers need.
-
-    For example:
-
-        with heartbeat_store() as env:
-            env["UNISON_HEARTBEAT_STORE"]   # "127.0.0.1:<a free port>"
-    """
-    import torch.distributed as dist
-
-    from unison.env_names import HEARTBEAT_ENV
-
-    if not ipaddress.ip_address(host).is_loopback:
-        raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
-    sock = _listener(host)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-        master_listen_fd=sock.detach(),  # bound to loopback: a TCPStore alone binds every interface
-    )
-    try:
-        yield {HEARTBEAT_ENV: f"{host}:{port}"}
-    finally:
-        del store
+from unison.distributed.network import UnresolvedHost, interface_addresses, port_in_use, resolve
 
 
 def _children(pid: int) -> list[int]:
@@ -210,8 +167,6 @@ def _probe_store(addr: str, port: int, key: str, wait: float) -> bool | None:
 
 def is_local_address(addr: str) -> bool:
     """True when `addr` is loopback or one of this machine's interface addresses."""
-    from unison.launch.network import interface_addresses
-
     try:
         if ipaddress.ip_address(addr).is_loopback:
             return True
@@ -228,7 +183,6 @@ def check_rdzv_endpoint(endpoint: str, run_id: str = "unison", wait: float = 3.0
 
     >>> check_rdzv_endpoint("127.0.0.1:29400", run_id="7")  # LaunchError if another job holds 29400
     """
-    from unison.launch.network import port_in_use, resolve
     from unison.launch.options import LaunchError
 
     host, _, port_text = endpoint.rpartition(":")
@@ -291,8 +245,6 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
     """
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    from unison.launch.network import resolve
-
     host, _, _ = endpoint.rpartition(":")
     host = host.strip("[]")
     _, addr = resolve(host)
@@ -308,13 +260,10 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
 def rdzv_failure_hint(endpoint: str, ran: bool = False) -> str:
     """Why an elastic rendezvous at `endpoint` could not form or went away, as far as this node can
     tell; `ran`: this node's workers had started (the job was lost, not never formed)."""
-    from unison.launch.network import resolve
-    from unison.launch.options import LaunchError
-
     host = endpoint.rpartition(":")[0].strip("[]")
     try:
         _, addr = resolve(host)
-    except LaunchError as exc:
+    except UnresolvedHost as exc:
         return str(exc)
     if ran and is_local_address(addr):
         return (

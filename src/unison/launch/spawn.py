@@ -26,9 +26,10 @@ import torch
 
 from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import huge_pages_env, threads_for_spawned
+from unison.distributed.heartbeat_store import heartbeat_store
 from unison.env_names import TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
-from unison.launch.rendezvous import WatchWorkers, heartbeat_store
+from unison.launch.rendezvous import WatchWorkers
 
 START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs

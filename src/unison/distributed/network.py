@@ -1,7 +1,9 @@
-"""The network a launch runs on: host names, this machine's interfaces and routes, free ports.
+"""The network a job runs on: host names, this machine's interfaces and routes, free ports.
 
-It decides which interface gloo uses (the one that routes to the rendezvous host) and checks a
-port before anything starts. Standard library only: no torch, so bad options are answered fast.
+`unison launch` picks gloo's interface with it (the one that routes to the rendezvous host) and
+checks a port before anything starts; a torchft replica names its host to the others with it
+(`advertised_host`); `unison env` reports the default route. Standard library only: no torch,
+so a launch's bad options are answered fast.
 
 >>> interface_for("127.0.0.1")
 ('lo', '127.0.0.1')
@@ -10,16 +12,20 @@ port before anything starts. Standard library only: no torch, so bad options are
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import struct
 import subprocess
 from pathlib import Path
+from urllib.parse import urlparse
 
-from unison.launch.options import LaunchError
+
+class UnresolvedHost(ValueError):
+    """A host name that does not resolve (one readable line; `unison launch` reports it as a bad option)."""
 
 
 def resolve(host: str) -> tuple[socket.AddressFamily, str]:
-    """`host`'s first address (IPv4 preferred), or a `LaunchError` saying it does not resolve.
+    """`host`'s first address (IPv4 preferred), or `UnresolvedHost` saying it does not.
 
     >>> resolve("127.0.0.1")
     (<AddressFamily.AF_INET: 2>, '127.0.0.1')
@@ -27,7 +33,7 @@ def resolve(host: str) -> tuple[socket.AddressFamily, str]:
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as exc:
-        raise LaunchError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+        raise UnresolvedHost(f"cannot resolve host {host!r}: {exc.strerror}") from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     family, *_, sockaddr = infos[0]
     return family, str(sockaddr[0])
@@ -40,7 +46,7 @@ def route_source(host: str, port: int = 9) -> str | None:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((addr, port))
             return str(s.getsockname()[0])
-    except (OSError, LaunchError):
+    except (OSError, UnresolvedHost):
         return None
 
 
@@ -115,52 +121,25 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-class StorePortHold:
-    """Choose each attempt's MASTER_PORT here and keep it bound until the next attempt.
+def reach_host(lighthouse: str | None) -> str | None:
+    """The host of a lighthouse address `http://host:port` unless it is this machine's loopback.
 
-    torch's agent picks a free port for the workers' store and closes it; rank 0 binds it seconds
-    later (the workers' start), and on a busy machine another process (any connect() or bind)
-    can take it in between: rank 0 fails with `[Errno 98] Address already in use` and an attempt
-    is lost. Where this node's workers are the whole world, the port is chosen here instead and
-    held by a socket that is bound but never listens, with SO_REUSEADDR: no other program can
-    bind it or get it from the kernel, while rank 0's store (which sets SO_REUSEADDR too, as
-    TCPStore does) binds it and listens. Across machines the port torch agreed is left as is.
-
-    >>> hold = StorePortHold()
-    >>> envs = {0: {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-    ...         1: {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}}
-    >>> hold.assign(envs)
-    >>> envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(hold.port)
-    True
-    >>> hold.release()
+    >>> reach_host("http://10.0.0.1:29510"), reach_host("http://127.0.0.1:29510")
+    ('10.0.0.1', None)
     """
+    host = urlparse(lighthouse).hostname if lighthouse else None
+    if not host:
+        return None
+    try:
+        addr = resolve(host)[1]
+    except UnresolvedHost:
+        return None
+    return None if ipaddress.ip_address(addr).is_loopback else host
 
-    def __init__(self) -> None:
-        self._sock: socket.socket | None = None
 
-    @property
-    def port(self) -> int | None:
-        """The port held now, or None."""
-        return self._sock.getsockname()[1] if self._sock is not None else None
-
-    def assign(self, envs: dict[int, dict[str, str]]) -> None:
-        """Give the workers of one attempt (`envs`: local rank -> environment) a held store port."""
-        self.release()
-        first = next(iter(envs.values()), None)
-        if first is None or first.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-            return  # the agent's own store serves the workers: its port is not ours to change
-        if first.get("WORLD_SIZE") != str(len(envs)) or "MASTER_PORT" not in first:
-            return  # ranks on other machines read the port torch's rendezvous agreed
-        v6 = ":" in first.get("MASTER_ADDR", "")
-        sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("::" if v6 else "", 0))  # every address: rank 0 may bind loopback or all of them
-        self._sock = sock
-        for env in envs.values():
-            env["MASTER_PORT"] = str(self.port)
-
-    def release(self) -> None:
-        """Let the held port go (the attempt it was for is over)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+def advertised_host(lighthouse: str | None) -> str:
+    """The name or address this process gives the other replicas to reach it: its address on the
+    route to the lighthouse when that is over a network, else the host name (one machine)."""
+    there = reach_host(lighthouse)
+    found = interface_for(there) if there else None
+    return found[1] if found else socket.gethostname()

@@ -31,7 +31,7 @@ PRELOADED_PID_ENV = "UNISON_PRELOADED_PID"
 TIMEOUT_ENV = "UNISON_TIMEOUT"
 #: "gloo": train on the CPU even where CUDA is available (`distributed.devices`).
 BACKEND_ENV = "UNISON_BACKEND"
-#: `host:port` of the store the ranks' heartbeats go to (`distributed.watchdog`, `launch.rendezvous`).
+#: `host:port` of the store the ranks' heartbeats go to (`distributed.watchdog`, `.heartbeat_store`).
 HEARTBEAT_ENV = "UNISON_HEARTBEAT_STORE"
 #: The signals that mean preemption, e.g. "SIGTERM,SIGUSR1" (`unison.signals`).
 SIGNALS_ENV = "UNISON_PREEMPT_SIGNALS"

@@ -1,8 +1,6 @@
-"""torchft's lighthouse for `distrib_ctx(fault_tolerant=True)` replicas, and the `unison launch`
-options that start or join one.
+"""The `unison launch` options that start or join torchft's lighthouse for `distrib_ctx(fault_tolerant=True)`
+replicas (`unison lighthouse` is `unison.cli`'s; torchft's server starts in `distributed.lighthouse`).
 
-- `start_lighthouse`: torchft's `LighthouseServer` in this process.
-- `lighthouse_main`: the `unison lighthouse` command.
 - `ReplicaOptions` / `add_replica_options` / `replica_options`: `unison launch --lighthouse ADDRESS`,
   `--start-lighthouse [--min-replicas N] [--lighthouse-join-timeout-ms MS] [--lighthouse-quorum-tick-ms MS]
   [--lighthouse-heartbeat-timeout-ms MS]` and `--replica-id NAME`, checked before anything starts;
@@ -23,11 +21,10 @@ import contextlib
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +32,6 @@ from unison.distributed.lighthouse import (
     HEARTBEAT_TIMEOUT_MS,
     JOIN_TIMEOUT_MS,
     QUORUM_TICK_MS,
-    start_lighthouse,
 )
 from unison.distributed.network import port_in_use, reach_host
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
@@ -53,65 +49,6 @@ _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$"
 
 class LighthouseOptionError(ValueError):
     """A `--lighthouse` / `--start-lighthouse` / `--replica-id` choice that cannot work."""
-
-
-def lighthouse_main(argv: Sequence[str]) -> int:
-    """`unison lighthouse`: start torchft's lighthouse, print `TORCHFT_LIGHTHOUSE=<address>` for the
-    replicas, and serve until SIGTERM or Ctrl-C. Returns the exit status. For example
-    (`unison lighthouse --min-replicas 2 --port 29510` on the command line):
-
-        lighthouse_main(["--min-replicas", "2", "--port", "29510"])
-    """
-    what = (
-        "Start torchft's lighthouse, print TORCHFT_LIGHTHOUSE=<address> for the replicas "
-        "(distrib_ctx(fault_tolerant=True)), and serve until SIGTERM or Ctrl-C."
-    )
-    parser = argparse.ArgumentParser(prog="unison lighthouse", description=what)
-    parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
-    parser.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="wait for late replicas")
-    parser.add_argument(
-        "--quorum-tick-ms",
-        type=int,
-        default=QUORUM_TICK_MS,
-        help=f"quorum interval (default {QUORUM_TICK_MS})",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout-ms",
-        type=int,
-        default=HEARTBEAT_TIMEOUT_MS,
-        help=f"a replica silent this long is dropped (default {HEARTBEAT_TIMEOUT_MS})",
-    )
-    args = parser.parse_args(list(argv))
-    for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            print(f"unison lighthouse: {flag} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    if args.min_replicas < 1:
-        print(
-            f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
-        )
-        return 2
-    if not 0 <= args.port < 65536:
-        print(f"unison lighthouse: --port must be 0-65535, got {args.port}", file=sys.stderr)
-        return 2
-    try:
-        server = start_lighthouse(
-            args.min_replicas, args.port, args.join_timeout_ms, args.quorum_tick_ms, args.heartbeat_timeout_ms
-        )
-    except Exception as exc:  # (a port in use, torchft missing): one line, no traceback
-        print(f"unison lighthouse: could not start on port {args.port}: {exc}", file=sys.stderr)
-        return 1
-    print(f"{LIGHTHOUSE_ENV}={server.address()}", flush=True)
-    stop = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    parent = int(os.environ.get(LIGHTHOUSE_PARENT_ENV, "0"))  # `unison launch --start-lighthouse`'s launcher
-    while signal.sigtimedwait(stop, 0.5) is None:
-        if parent and os.getppid() != parent:  # the launcher is gone (even SIGKILLed): so is this
-            break
-    server.shutdown()
-    return 0
 
 
 @dataclass(frozen=True)

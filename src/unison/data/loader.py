@@ -9,10 +9,14 @@ With `pad=False` (how the learner trains) nothing is wrapped: the last global ba
 is split unevenly, so the epoch holds exactly the dataset's items. A rank whose share
 of that batch is empty gets one padding item, marked by `real_rows` as not real, so
 it still yields a batch (and takes part in every collective) that the learner trims.
+
+Each item of a user's dataset is loaded with the generators seeded from its global position in the
+epoch's order (`unison.data.item_draws`), so a random augmentation draws the same on any W.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -20,10 +24,12 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.data.drawn import DrawnOrder
+from unison.data.fetch import SeededItems, _TensorBatches, fetched_through
+from unison.data.item_draws import item_seed
 from unison.data.permutation import PermutedOrder, pick_order
 from unison.data.plan import PositionPlan, RankPlan, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import is_rank_sharded
@@ -64,41 +70,6 @@ def _place_in_job() -> tuple[int, int]:
         raise ValueError(f"DistributedDL: RANK / WORLD_SIZE are not integers ({exc})") from None
 
 
-class _TensorBatches(Dataset):
-    """A `TensorDataset` fetched a whole batch at a time: one indexing op per tensor instead
-    of one `__getitem__` per sample followed by a stack. Same batches, less Python per batch."""
-
-    def __init__(self, dataset: TensorDataset) -> None:
-        self.tensors = dataset.tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors[0])
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return tuple(t[index] for t in self.tensors)
-
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        # index_select, not t[idx]: advanced indexing runs even a small batch on all CPU threads,
-        # which then spin ~3.5 ms each (100 CPU ms a step on a 16-thread GPU machine).
-        return [t.index_select(0, idx) for t in self.tensors]  # what default_collate makes of the tuples
-
-
-def _as_batch(batch: Any) -> Any:
-    return batch
-
-
-def _batched_fetch(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
-    """The dataset and collate function the inner loader uses: a batched fetch where it is exact.
-
-    A plain `TensorDataset` with torch's default collate gets `_TensorBatches`; any other
-    dataset is used as it is (torch's fetcher already calls a dataset's own `__getitems__`).
-    """
-    if type(dataset) is TensorDataset and collate_fn is default_collate and dataset.tensors:
-        return _TensorBatches(dataset), _as_batch
-    return dataset, collate_fn
-
-
 class _PlanSampler:
     """The inner loader's batch sampler: yields the batches `DistributedDL.__iter__` planned
     (index lists; int64 tensors for the batched TensorDataset fetch)."""
@@ -110,6 +81,9 @@ class _PlanSampler:
         # Bind the plan now: a later plan must not change an iteration in flight.
         plan, start, cut = self.owner._rank_plan, self.owner._plan_start, self.owner.cut_rows
         batches = plan.batches(start, self.as_tensor)
+        if isinstance(self.owner._inner.dataset, SeededItems):  # (index, item seed) keys
+            seeds = self.owner._seeds
+            batches = (list(zip(b, seeds(k, len(b)), strict=True)) for k, b in enumerate(batches, start))
         # Cut lazily: each batch as the loader asks for it (a torchft replica's rows of that step).
         return batches if cut is None else (cut(k, b) for k, b in enumerate(batches, start))
 
@@ -207,7 +181,8 @@ class DistributedDL:
             kwargs["prefetch_factor"] = dl.prefetch_factor
         if hasattr(dl, "in_order"):
             kwargs["in_order"] = dl.in_order
-        dataset, collate_fn = _batched_fetch(dl.dataset, dl.collate_fn)
+        dataset, collate_fn = fetched_through(dl.dataset, dl.collate_fn)
+        self._positions: tuple[int, int, list[int]] = (0, 0, [])  # (epoch, batch size, dealt batches' starts)
         self._inner = DataLoader(
             dataset,
             batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),
@@ -370,14 +345,34 @@ class DistributedDL:
         (a list of them, or an int64 tensor for the batched `TensorDataset` fetch)."""
         return self._rank_plan.batch(batch_index, isinstance(self._inner.dataset, _TensorBatches))
 
-    def load(self, indices: Any) -> Any:
+    def item_seeds(self, batch_index: int) -> list[int]:
+        """The seeds the items of this rank's batch `batch_index` (of the epoch last iterated) are
+        loaded under: each a function of the data seed, the epoch and the item's global position.
+
+        >>> one, two = (DistributedDL(DataLoader(range(8), batch_size=2), r, w) for r, w in ((0, 1), (1, 2)))
+        >>> _, _ = list(one), list(two)
+        >>> one.item_seeds(1)[1] == two.item_seeds(0)[1]   # position 3: on one process, on rank 1 of 2
+        True
+        """
+        return self._seeds(batch_index, len(self._rank_plan.batch(batch_index, True)))
+
+    def _seeds(self, batch_index: int, rows: int) -> list[int]:
+        epoch, bs, dealt_starts = self._positions  # global batch k starts at position k * bs * W, or dealt's
+        first = dealt_starts[batch_index] if self.dealt else batch_index * bs * self.world_size
+        return [item_seed(self.seed, epoch, first + self.rank + self.world_size * i) for i in range(rows)]
+
+    def load(self, indices: Any, seeds: Sequence[int] | None = None) -> Any:
         """Load and collate `indices` here, in this process, as the loader's fetch does (torch's
-        `_MapDatasetFetcher`: the dataset's `__getitems__` when it has one, else one item at a time).
+        `_MapDatasetFetcher`: the dataset's `__getitems__` when it has one, else one item at a time),
+        each item under its seed of `seeds` (`item_seeds`; None: the generators as they stand).
 
         >>> DistributedDL(DataLoader(list(range(10)), batch_size=4), 0, 1).load([7, 2])
         tensor([7, 2])
         """
         dataset, collate = self._inner.dataset, self._inner.collate_fn
+        if isinstance(dataset, SeededItems):
+            keys = None if seeds is None else list(zip(indices, seeds, strict=True))
+            dataset, indices = (dataset.dataset, indices) if keys is None else (dataset, keys)
         getitems = getattr(dataset, "__getitems__", None)
         data = getitems(indices) if getitems else [dataset[i] for i in indices]
         return collate(data)
@@ -386,9 +381,11 @@ class DistributedDL:
         if self.dealt:
             plan, self._global_sizes = dealt_plan(self._dealt_batches(epoch), self.rank, self.world_size)
             self._dealt_cache = None  # the plan holds this rank's part: drop the global batches
+            self._positions = (epoch, 0, [0, *itertools.accumulate(self._global_sizes)])
             return plan
         self._n_planned = None
         bs, n_batches = self.batch_size, len(self)
+        self._positions = (epoch, bs, [])
         order = self._order_tensor(epoch)
         self._n_planned = len(order)
         self._dealt_cache = None

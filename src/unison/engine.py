@@ -32,6 +32,7 @@ from unison.distributed.joining import check_loaders_agree
 from unison.distributed.strategy import ParallelConfig, Strategy, make_strategy
 from unison.distributed.watchdog import is_peer_failure
 from unison.exact_loss import ExactLoss
+from unison.loop_state import StartPoint, TrainingParts
 
 if TYPE_CHECKING:
     from unison.learner_view import EngineHost
@@ -50,9 +51,13 @@ __all__ = [
     "prepare_batch",
     "score",
     "shard_loader",
+    "start_at",
+    "start_fit",
     "to_parallel",
+    "training_parts",
     "trim_padding",
     "unwrap_model",
+    "use_parts",
 ]
 
 
@@ -96,25 +101,38 @@ def _advertised_host(lighthouse: str | None) -> str:
     return advertised_host(lighthouse)
 
 
+def training_parts(host: EngineHost) -> TrainingParts:
+    """What `host` trains with now: model, optimizer, collective and data seed."""
+    return TrainingParts(host.model, host.opt, host.collective, host.data_seed)
+
+
+def use_parts(host: EngineHost, parts: TrainingParts) -> None:
+    """Make `host` train with `parts` (what a strategy's `setup` or `restore` returned)."""
+    host.model, host.opt, host.data_seed = parts.model, parts.opt, parts.data_seed
+    host.set_collective(parts.collective)
+
+
 def attach_strategy(host: EngineHost, config: ParallelConfig) -> Strategy:
     """Join (or make) the process group and train with the strategy `config` chooses: it becomes one
-    of the host's callbacks and `host.strategy`. A refused setup leaves the host as it was."""
+    of the host's callbacks and `host.strategy`, and the host trains with the parts its `setup`
+    returns. A refused setup leaves the host as it was."""
     strategy = make_strategy(config, advertised_host=_advertised_host)
     host.add_cb(strategy)
-    host.strategy = strategy
     try:
-        strategy.setup()
+        parts = strategy.setup(training_parts(host))
     except BaseException:
         host.remove_cb(strategy)
-        host.strategy = None
         raise
+    use_parts(host, parts)
+    host.strategy = strategy
     return strategy
 
 
 def detach_strategy(host: EngineHost) -> None:
     """Model, BatchNorm, loaders and logging as they were before `attach_strategy`."""
     for strategy in [c for c in host.cbs if isinstance(c, Strategy)]:
-        strategy.restore()
+        use_parts(host, strategy.restore())  # the host's reference to the wrapper goes first,
+        strategy.leave()  # then the group (DDP's teardown hang, pytorch/pytorch#56297)
         host.remove_cb(strategy)
     host.strategy = None
 
@@ -137,15 +155,40 @@ def to_parallel(host: EngineHost, device_ids: Sequence[int] | None = None) -> No
 
     trainer = ParallelTrainer(device_ids)
     host.add_cb(trainer)
-    trainer.setup()
+    use_parts(host, trainer.setup(training_parts(host)))
 
 
 def detach_parallel(host: EngineHost) -> None:
     from unison.distributed.trainer import ParallelTrainer  # (as in to_parallel)
 
     for cb in [c for c in host.cbs if isinstance(c, ParallelTrainer)]:
-        cb.restore()
+        use_parts(host, cb.restore())
         host.remove_cb(cb)
+
+
+# ---- where a fit starts ------------------------------------------------------------------------
+def start_at(host: EngineHost, point: StartPoint) -> None:
+    """Make the host's next pass over its training loader start at `point`, with what it carries
+    (the data order's seed, a stateful stream's state, the grad scaler's state)."""
+    host.start_epoch, host.start_iter = point.epoch, point.step
+    host.stream_resume_state = point.stream_state
+    if point.data_seed is not None:
+        host.data_seed = point.data_seed
+    if point.scaler_state is not None:
+        if host.scaler is None:
+            host.scaler = torch.amp.GradScaler("cuda")
+        host.scaler.load_state_dict(point.scaler_state)
+
+
+def start_fit(host: EngineHost, n_epoch: int, resumed: StartPoint | None = None) -> None:
+    """Where a fit of `n_epoch` epochs starts, before its first event: epoch 0 step 0, or `resumed`
+    (what the newest checkpoint held, `unison.checkpoint.learner_files.resume`); then, under
+    torchft, the step this replica's peers are at once it healed from them (its first quorum)."""
+    host.n_epoch = n_epoch
+    point = resumed if resumed is not None else StartPoint()
+    if host.strategy is not None:
+        point = host.strategy.start_point(point)
+    start_at(host, point)
 
 
 # ---- one batch ---------------------------------------------------------------------------------

@@ -186,9 +186,7 @@ class Learner(LoopState):
                 self.create_opt()
             if lr is not None:
                 self.set_lr(lr)
-            self.n_epoch, self.start_epoch, self.start_iter = n_epoch, 0, 0
-            if resume:
-                learner_files.resume(self)
+            engine.start_fit(self, n_epoch, learner_files.resume(self) if resume else None)
             assert self.opt is not None
             self.opt.zero_grad(set_to_none=True)
             self._with_events(self._do_fit, "fit", CancelFitException)
@@ -297,7 +295,7 @@ class Learner(LoopState):
         return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
 
     def set_collective(self, collective: Collective) -> None:
-        """Use `collective` for sharding and reductions (a strategy calls this)."""
+        """Use `collective` for sharding and reductions (the engine hands it a strategy's)."""
         self.collective = collective
         self._shards.clear()
 

@@ -232,11 +232,9 @@ class Run:
         self._require_setup("epochs")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"Run.epochs: n must be a non-negative int, got {n!r}")
-        host.n_epoch, host.start_epoch, host.start_iter = n, 0, 0
-        if resume:
-            if host.get_cb(Checkpoint) is None:
-                self.checkpoint()
-            learner_files.resume(host)  # no checkpoint yet: start fresh
+        if resume and host.get_cb(Checkpoint) is None:
+            self.checkpoint()
+        engine.start_fit(host, n, learner_files.resume(host) if resume else None)
         if host.opt is not None:
             host.opt.zero_grad(set_to_none=True)
         with handling(host):  # preemption signals, handled while the epochs run

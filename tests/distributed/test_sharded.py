@@ -218,7 +218,7 @@ def _memory_and_sync_bn():
     with learn.distrib_ctx(shard=True):
         local = sum(p.to_local().numel() for p in learn.model.parameters())
         sync_bn = isinstance(learn.model[1], SyncBatchNorm)
-        freed = all(p.numel() == 0 for p in learn.get_cb(ShardedTrainer)._original_model.parameters())
+        freed = all(p.numel() == 0 for p in learn.get_cb(ShardedTrainer)._before.model.parameters())
     return {"total": total, "local": local, "sync_bn": sync_bn, "freed": freed}
 
 

@@ -97,16 +97,12 @@ class Pace(Callback):
                 time.sleep(0.05)
 
 
-class Asking(Callback):
-    """Writes `<out>.asking<restart>` just before the first quorum request (the FT trainer's own
-    before_fit runs next, at order -30): a test's survivors hold until a replacement is this far."""
-
-    order = -40
-
-    def before_fit(self):
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        with open(f"{out}.asking{restart}", "w"):
-            pass
+def say_asking():
+    """Writes `<out>.asking<restart>` just before the first quorum request (`fit` asks for it before
+    its first event): a test's survivors hold until a replacement is this far."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    with open(f"{out}.asking{restart}", "w"):
+        pass
 
 
 class UnevenBatches:
@@ -189,7 +185,7 @@ dls = DataLoaders(
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
 opt_func = torch.optim.AdamW if args.opt == "adamw" else torch.optim.SGD
 pace = Pace()
-cbs = [pace, Asking(), Checkpoint(every=1)] if args.dir else [pace, Asking()]
+cbs = [pace, Checkpoint(every=1)] if args.dir else [pace]
 learn = Learner(
     dls,
     model,
@@ -218,6 +214,7 @@ else:
         ft["quorum_interval"] = args.quorum_interval
     with learn.distrib_ctx(fault_tolerant=ft, timeout=args.timeout):
         trainer = next(cb for cb in learn.cbs if type(cb).__name__ == "FaultTolerantTrainer")
+        say_asking()
         learn.fit(args.epochs, resume=args.resume)
         events = dict(trainer.events)
 state = {k: v.clone() for k, v in learn.raw_model.state_dict().items()}

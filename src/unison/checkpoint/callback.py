@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from unison.checkpoint.components import check_components, component_states, load_components
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.format import (
@@ -37,6 +35,7 @@ from unison.checkpoint.format import (
 from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
 from unison.env_names import PROBE_ENV
 from unison.events import Callback
+from unison.loop_state import StartPoint
 from unison.rng import get_rng_state, set_rng_state
 
 
@@ -213,8 +212,10 @@ class Checkpoint(Callback):
     def _callback_states(self) -> dict[str, dict[str, Any]]:
         return {key: cb.state_dict() for key, cb in self._keys() if cb.state_dict()}
 
-    def restore_latest(self) -> bool:
-        """Load the checkpoint into the learner and set where `fit` continues; False if there is none."""
+    def restore_latest(self) -> StartPoint | None:
+        """Load the newest checkpoint into the model, optimizer, recorder, callbacks, components and
+        RNG states, and return where `fit` continues (`unison.engine.start_at` puts it in place);
+        None if there is no checkpoint."""
         learn = self.learn
         if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
             remove_stale_temps(self.file)
@@ -233,7 +234,7 @@ class Checkpoint(Callback):
             )
             check_state_fits(learn.raw_model, state["model"], self.file)
         else:
-            return False
+            return None
         global_batch = self._global_batch()
         samples = state["samples_done"]
         if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
@@ -263,11 +264,6 @@ class Checkpoint(Callback):
         if not load_sharded_weights(learn, folder, state):  # a plain checkpoint into a plain model
             learn.raw_model.load_state_dict(state["model"])
             learn.opt.load_state_dict(state["opt"])
-        if state.get("scaler") is not None:
-            if learn.scaler is None:
-                learn.scaler = torch.amp.GradScaler("cuda")
-            learn.scaler.load_state_dict(state["scaler"])
-        learn.data_seed = state["data_seed"]
         learn.recorder.load_state_dict(state["recorder"])
         learn.recorder.resume_partial(
             state["recorder_partial"], learn.collective.rank, learn.collective.world_size
@@ -279,8 +275,12 @@ class Checkpoint(Callback):
         rank = learn.collective.rank
         rng = state["rng"]
         set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])
-        learn.start_epoch, learn.start_iter = state["epoch"], samples // global_batch
         streams = state.get("stream") or []
         same_world = len(streams) == learn.collective.world_size
-        learn.stream_resume_state = streams[rank] if same_world and rank < len(streams) else None
-        return True
+        return StartPoint(
+            epoch=state["epoch"],
+            step=samples // global_batch,
+            data_seed=state["data_seed"],
+            stream_state=streams[rank] if same_world and rank < len(streams) else None,
+            scaler_state=state.get("scaler"),
+        )

@@ -20,6 +20,7 @@ from unison.distributed.env import rank_distrib
 
 if TYPE_CHECKING:
     from unison.learner_view import EngineHost, LearnerView
+    from unison.loop_state import StartPoint
 
 
 def model_file(learn: LearnerView, name: str | Path) -> Path:
@@ -65,8 +66,9 @@ def load(learn: LearnerView, name: str | Path, with_opt: bool = True, strict: bo
         learn.opt.load_state_dict(state["opt"])
 
 
-def resume(learn: EngineHost) -> None:
-    """`fit(resume=True)`: continue from the newest checkpoint the fit's `Checkpoint` wrote, if any."""
+def resume(learn: EngineHost) -> StartPoint | None:
+    """`fit(resume=True)`: load the newest checkpoint the fit's `Checkpoint` wrote, if any, and
+    return where the fit continues (None: there is none yet, the fit starts fresh)."""
     from unison.checkpoint.callback import Checkpoint
 
     ckpt = learn.get_cb(Checkpoint)
@@ -75,7 +77,7 @@ def resume(learn: EngineHost) -> None:
             "fit(resume=True) needs a Checkpoint callback (cbs=[Checkpoint()]) that says "
             "where checkpoints are"
         )
-    ckpt.restore_latest()  # no checkpoint yet: start fresh
+    return ckpt.restore_latest()
 
 
 def snapshot(learn: LearnerView) -> dict[str, Any]:

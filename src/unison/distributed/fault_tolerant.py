@@ -45,6 +45,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -54,13 +55,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.data.batch import batch_size_of
 from unison.distributed.collective import Collective
+from unison.distributed.env import group_active
 from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.distributed.ft_quorum import QuorumWitness, membership_change
 from unison.distributed.ft_reduce import ReplicaGroupLostError, StepVector, group_sum
 from unison.distributed.ft_rows import RowLoads, Split, rows_of
+from unison.distributed.group import setup_distrib, teardown_distrib
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
+from unison.loop_state import StartPoint, TrainingParts
 
 __all__ = ["LIGHTHOUSE_ENV", "REPLICA_ENV", "FaultTolerantTrainer", "QuorumWitness", "ReplicaBehindError"]
 __all__ += ["ReplicaGroupLostError", "start_lighthouse"]
@@ -130,19 +134,19 @@ class FaultTolerantTrainer(Callback):
         self._store: Any = None
         self._witness = QuorumWitness(None)
         self.created_group = False
-        self._original_collective: Collective | None = None
         self._members: list[str] = []  # the replicas of the last quorum this replica saw
         self.group_rank, self.group_size = 0, 1  # this process's place in its replica group
         self._quorum_ready = False  # a quorum was made for the step about to run (before_fit's)
         self._position = (0, 0)  # (epoch, step) this replica is at: what a healing peer receives
         self._healed_to: tuple[int, int] | None = None
+        self._healed_seed: int | None = None
         self._full: tuple[Any, Any] | None = None  # the whole global batch of the step in flight
         self._carried: dict[str, Any] = {}  # what a heal carries besides model and optimizer (`carry`)
         #: What happened, for logs and tests: steps redone, and the position this replica healed at.
         self.events: dict[str, Any] = {"redone": 0, "healed_at": None, "participants": [], "quorums": 0}
 
     # ---- entering and leaving --------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, parts: TrainingParts) -> TrainingParts:
         # Named as the user wrote it: the own loop's `Run(...)` or the Learner's `distrib_ctx(...)`.
         api = "Run(fault_tolerant=True)" if self.learn.redoes_by_loop else "distrib_ctx(fault_tolerant=True)"
         plain = "Run()" if self.learn.redoes_by_loop else "distrib_ctx()"
@@ -159,39 +163,37 @@ class FaultTolerantTrainer(Callback):
                 "http://host:port (start one with `unison lighthouse --min-replicas 2`, or "
                 "`unison launch --start-lighthouse`)"
             )
+        self._before = parts
         try:
-            self._join()
+            seed = self._join(parts.data_seed)
         except BaseException:
             self.restore()  # a refused setup leaves no group, store or manager behind
+            self.leave()
             raise
+        # Each rank computes all; group rank 0 speaks.
+        return replace(parts, collective=Collective(speaks=self.group_rank == 0), data_seed=seed)
 
-    def _join(self) -> None:
+    def _join(self, data_seed: int) -> int:
         """The replica group's own gloo group (under `unison launch --nproc G`), one store that group
-        rank 0 hosts, and a torchft `Manager` on every rank (group rank, G), all under one replica id."""
+        rank 0 hosts, and a torchft `Manager` on every rank (group rank, G), all under one replica id.
+        Returns group rank 0's `data_seed` (one order for the replica group)."""
         from torch.distributed import TCPStore
 
         quiet_torchft(self.verbose)  # before torchft's Rust logger starts
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing import HTTPTransport
 
-        from unison.distributed.env import group_active
-        from unison.distributed.group import setup_distrib
-
-        learn = self.learn
         self.created_group = setup_distrib(timeout=self.timeout, backend="gloo")
         if group_active():
             self.group_rank, self.group_size = dist.get_rank(), dist.get_world_size()
-        from torchft.checkpointing import HTTPTransport
-
         host = self._advertised_host(self.lighthouse)  # the host name on one machine
         if self.group_rank == 0:
             self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         # Group rank 0's store, name and data seed for every rank of the group (one replica id, one order).
-        shared: list[Any] = [host, self._store.port if self._store else 0, self.replica_id, learn.data_seed]
+        shared: list[Any] = [host, self._store.port if self._store else 0, self.replica_id, data_seed]
         if self.group_size > 1:
             dist.broadcast_object_list(shared, src=0)
         host, port, self.replica_id, seed = shared
-        if seed != learn.data_seed:
-            learn.data_seed = seed
         limit = timedelta(seconds=self.timeout)
         transport: Any = HTTPTransport(timeout=limit, num_chunks=0)
         if host != socket.gethostname():  # torchft 0.2.0 names its checkpoint server by host name only
@@ -217,9 +219,8 @@ class FaultTolerantTrainer(Callback):
         )
         self._witness = QuorumWitness(self.manager._client)
         self.manager._client = self._witness  # (torchft keeps each quorum's members to itself)
-        self._original_collective = learn.collective  # each rank computes all; group rank 0 speaks
-        learn.set_collective(Collective(speaks=self.group_rank == 0))
         self.active = True
+        return int(seed)
 
     def diagnose(self) -> None:  # a lost replica is survived (its step redone), not a stalled rank
         return None
@@ -227,21 +228,21 @@ class FaultTolerantTrainer(Callback):
     def peers_gone(self) -> None:  # replicas come and go: a lost one says nothing about this one
         return None
 
-    def restore(self) -> None:
+    def leave(self) -> None:
+        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
+        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
+        if self.created_group:
+            teardown_distrib()
+            self.created_group = False
+
+    def restore(self) -> TrainingParts:
         self.active = False
         self.after_train()
-        if self._original_collective is not None:
-            self.learn.set_collective(self._original_collective)
-            self._original_collective = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
         self._store = None
-        if self.created_group:
-            from unison.distributed.group import teardown_distrib
-
-            teardown_distrib()
-            self.created_group = False
+        return replace(self._before, opt=self.learn.opt, data_seed=self.learn.data_seed)
 
     # ---- what a healing peer receives -----------------------------------------------
     def carry(self, components: dict[str, Any]) -> None:
@@ -262,32 +263,31 @@ class FaultTolerantTrainer(Callback):
         learn.opt.load_state_dict(state["opt"])
         for name, obj in self._carried.items():  # (every replica runs the script: the same names)
             obj.load_state_dict(state["carried"][name])
-        if state["data_seed"] != learn.data_seed:
-            learn.data_seed = state["data_seed"]
         self._healed_to = (int(state["epoch"]), int(state["step"]))
+        self._healed_seed = int(state["data_seed"])  # (a peer's: the same order for every replica)
 
     # ---- the loop ---------------------------------------------------------------------
-    def before_fit(self) -> None:
-        learn = self.learn
+    def start_point(self, point: StartPoint) -> StartPoint:
+        """The first quorum: a replacement heals here and starts at its peers' step, in their data order."""
         # (GradientAccumulation says so by this attribute: this package does not import the callbacks.)
-        if any(getattr(cb, "accumulates_gradients", False) for cb in learn.cbs):
+        if any(getattr(cb, "accumulates_gradients", False) for cb in self.learn.cbs):
             raise ValueError(
                 "distrib_ctx(fault_tolerant=True) does not support GradientAccumulation yet: "
                 "give the loader the whole global batch instead"
             )
-        # The first quorum: a replacement heals here and starts at its peers' step.
-        self._position = (learn.start_epoch, learn.start_iter)
+        self._position = (point.epoch, point.step)
         self._quorum()
         self._wait_for_start_replicas()
         healed, witness = self._healed_to, self._witness
         self._say(start_line(self._position, healed, witness.replica_ids, witness.healed_from))
         if healed is not None:
-            learn.start_epoch, learn.start_iter = healed
+            point = replace(point, epoch=healed[0], step=healed[1], data_seed=self._healed_seed)
             self.events["healed_at"] = healed
             self._position = healed
             self._healed_to = None
         self._quorum_ready = True
         self._members = self._witness.starts
+        return point
 
     def _wait_for_start_replicas(self) -> None:
         """The first step waits until `start_replicas` replicas take part (replicas started together

@@ -3,11 +3,11 @@ do alike when they enter and while they train.
 
 - `training_device`: the device this rank trains on (its GPU under NCCL, else the model's).
 - `make_collective`: the WORLD group's `Collective`, once every loader is found shardable and
-  every rank is found holding the same data; `join_collective` points the learner at it.
+  every rank is found holding the same data; `shared_seed`: rank 0's data seed on every rank.
 - `RankMonitor`: a barrier at each epoch that names who misses it, and the watchdog's heartbeats.
 
     collective = make_collective(learn, training_device(learn, None))
-    join_collective(learn, collective)
+    seed = shared_seed(collective, learn.data_seed)
 """
 
 from __future__ import annotations
@@ -68,10 +68,9 @@ def refuse_unshardable(learn: LearnerView, world_size: int) -> None:
             )
 
 
-def join_collective(learn: LearnerView, collective: Collective) -> None:
-    """Point `learn` at `collective` and give every rank rank 0's data seed (one data order)."""
-    learn.set_collective(collective)
-    learn.data_seed = collective.broadcast_object(learn.data_seed)
+def shared_seed(collective: Collective, data_seed: int) -> int:
+    """Rank 0's `data_seed`, on every rank of `collective`: one data order for the whole job."""
+    return int(collective.broadcast_object(data_seed))
 
 
 def check_loaders_agree(

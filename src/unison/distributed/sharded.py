@@ -19,6 +19,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -38,10 +39,11 @@ from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
-from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
+from unison.distributed.joining import RankMonitor, make_collective, shared_seed, training_device
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
+from unison.loop_state import StartPoint, TrainingParts
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -246,6 +248,7 @@ class ShardedTrainer(Callback):
         self.monitor: RankMonitor | None = None
         self._sync = True
         self._failed = False
+        self._twin: nn.Module | None = None
 
     @property
     def checkpoint_format(self) -> str:
@@ -253,24 +256,25 @@ class ShardedTrainer(Callback):
         return "dcp" if is_sharded(self.learn.model) else "file"
 
     # ---- set up and put back ----------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
         self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout, backend=self.backend)
-        self._original_model = learn.raw_model
-        self._original_collective = learn.collective
+        self._before = replace(parts, model=learn.raw_model)  # (the host still holds parts.model)
         if not group_active() or dist.get_world_size() == 1:
             # One process: nothing to shard, but it trains on its GPU (`--gpus 0`), as DDP's does.
             device = training_device(learn, self.cuda_id, self.backend)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-                place_training_state(learn.model, learn.opt, learn.loss_func, device)
-            return
+                place_training_state(parts.model, parts.opt, learn.loss_func, device)
+            return parts
         try:
-            self._shard()
+            sharded = self._shard(self._before)
         except BaseException:
-            self.restore()  # a refused setup leaves the learner as it was
+            self.restore()  # a refused setup leaves the model as it was, and no group behind
+            self.leave()
             raise
         self.active = True
+        return sharded
 
     def _policies(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
@@ -284,9 +288,9 @@ class ShardedTrainer(Callback):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         return kwargs
 
-    def _shard(self) -> None:
+    def _shard(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
-        original = self._original_model
+        original = parts.model
         device = training_device(learn, self.cuda_id, self.backend)
         collective = make_collective(learn, device, self.check_data)
         if device.type == "cuda":
@@ -294,7 +298,7 @@ class ShardedTrainer(Callback):
         elif self.release_memory:
             return_freed_memory()
         # Keep the optimizer's state (a fit before this context) to move it onto the shards.
-        opt_state = _optimizer_state(original, learn.opt)
+        opt_state = _optimizer_state(original, parts.opt)
         # The twin shares the user's Parameter and buffer objects: no second copy of the weights.
         shared = {id(t): t for t in (*original.parameters(), *original.buffers())}
         twin = copy.deepcopy(original, memo=shared)
@@ -311,26 +315,31 @@ class ShardedTrainer(Callback):
         assert isinstance(twin, FSDPModule)
         if self.find_unused_parameters:
             twin.set_reduce_scatter_unused_params(True)
-        learn.model = twin
+        self._twin = twin
         # The shards are copies: free the user's full weights while the twin trains.
         for param in original.parameters():
             param.data = param.data.new_empty(0)
-        if learn.opt is not None:
-            learn.opt = _rebuilt_optimizer(learn, twin, learn.opt, opt_state, _FULL)
-        join_collective(learn, collective)
+        opt = _rebuilt_optimizer(learn, twin, parts.opt, opt_state, _FULL) if parts.opt is not None else None
         self.monitor = RankMonitor(self.timeout)
+        return TrainingParts(twin, opt, collective, shared_seed(collective, parts.data_seed))
 
-    def restore(self) -> None:
+    def leave(self) -> None:
+        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
+        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
+        if self.created_group:
+            teardown_distrib()
+            self.created_group = False
+
+    def restore(self) -> TrainingParts:
         """Gather the trained weights back into the user's plain model; drop the sharded optimizer."""
-        learn = self.learn
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
-        if is_sharded(learn.model):
-            twin = learn.model
+        before, opt = self._before, self.learn.opt
+        twin, self._twin = self._twin, None
+        if twin is not None:
             if not self._sync:
                 cast(FSDPModule, twin).set_requires_gradient_sync(True)
-            original = self._original_model
             try:
                 weights = get_model_state_dict(twin, options=_FULL)
             except Exception as exc:
@@ -343,19 +352,15 @@ class ShardedTrainer(Callback):
                     stacklevel=2,
                 )
                 weights = {}
-            for name, param in original.named_parameters():
+            for name, param in before.model.named_parameters():
                 if name in weights:
                     param.data = cast(torch.Tensor, weights[name]).to(param.dtype)
-            learn.model = original
             # Not gathered: the optimizer state (twice the weights, for Adam) would make the end of
             # training the peak of memory on every rank. The next fit starts a fresh optimizer;
             # a checkpoint or `save` made inside the context keeps the state.
-            learn.opt = None
-        learn.set_collective(self._original_collective)
+            opt = None
         self.active = False
-        if self.created_group:
-            teardown_distrib()
-            self.created_group = False
+        return replace(before, opt=opt, data_seed=self.learn.data_seed)
 
     # ---- the loop ---------------------------------------------------------------------
     def before_epoch(self) -> None:
@@ -380,6 +385,10 @@ class ShardedTrainer(Callback):
     def after_step(self) -> None:
         if self.monitor is not None:
             self.monitor.progress(self.learn, 2)
+
+    def start_point(self, point: StartPoint) -> StartPoint:
+        """Where the loop would start: every rank starts together."""
+        return point
 
     def diagnose(self) -> RankStalledError | None:
         """After the `with` block failed: the rank that stopped taking part, if another one did.

@@ -1,8 +1,11 @@
 """One interface for the ways of training data-parallel, chosen from one typed configuration.
 
 A `Strategy` is DDP (`DistributedTrainer`), FSDP2 (`ShardedTrainer`) or torchft replicas
-(`FaultTolerantTrainer`): each wraps the host's model on `setup()` and unwraps it on `restore()`,
-points the host at its `Collective` (which shards every loader and reduces every metric), names a
+(`FaultTolerantTrainer`): `setup(parts)` takes what the host trains with (`TrainingParts`: model,
+optimizer, collective, data seed) and returns what it trains with under the strategy (the model
+wrapped or sharded, a `Collective` over the group, which shards every loader and reduces every
+metric, rank 0's data seed); `restore()` returns the parts as they were. It writes nothing on the
+host: the engine (`unison.engine.attach_strategy`) puts the parts in place. It names a
 rank that stopped taking part (`diagnose()`), and says how a checkpoint of its model is written
 (`checkpoint_format`: "file", one file rank 0 writes, or "dcp", every rank its own shards). Between
 those it takes part in the loop through the events a callback has (`before_batch`, ...). They
@@ -24,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from unison.loop_state import StartPoint, TrainingParts
 
 if TYPE_CHECKING:
     from unison.distributed.watchdog import RankStalledError
@@ -48,12 +53,22 @@ class Strategy(Protocol):
         """How a checkpoint of the model is written while this strategy is set up."""
         ...
 
-    def setup(self) -> None:
-        """Join (or make) the process group, wrap the host's model, point it at the collective."""
+    def setup(self, parts: TrainingParts) -> TrainingParts:
+        """Join (or make) the process group; the parts to train with under the strategy. A refused
+        setup raises, leaving no group or thread behind."""
         ...
 
-    def restore(self) -> None:
-        """Undo `setup()`: the host's model, collective and group as they were."""
+    def restore(self) -> TrainingParts:
+        """Undo `setup()`: the parts as they were before it (the process group is still there)."""
+        ...
+
+    def leave(self) -> None:
+        """Leave the process group where `setup` made it, once the host let go of the wrapped model."""
+        ...
+
+    def start_point(self, point: StartPoint) -> StartPoint:
+        """Where the fit about to begin starts, given where the loop would (`point`): unchanged, or
+        the step a torchft replica's peers are at, once it healed from them."""
         ...
 
     def diagnose(self) -> RankStalledError | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -21,10 +22,11 @@ from torch import nn
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.group import setup_distrib, teardown_distrib
-from unison.distributed.joining import RankMonitor, join_collective, make_collective, training_device
+from unison.distributed.joining import RankMonitor, make_collective, shared_seed, training_device
 from unison.distributed.sync_bn import buffers_synchronised, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
+from unison.loop_state import StartPoint, TrainingParts
 
 #: DDP gradient bucket size on gloo (torch's default is 25). Measured with `benchmarks/run.py --knobs`
 #: (2 CPU processes): +8% samples/s on the MLP workload, neutral on the CNN. Fewer, larger all-reduces
@@ -78,7 +80,7 @@ class DistributedTrainer(Callback):
     `setup()` runs when attached, so `fit`, `validate`, `get_preds` and `lr_find` all run
     distributed inside `distrib_ctx`; `restore()` puts everything back as it was.
 
-        learn.add_cb(DistributedTrainer(sync_bn=True)).get_cb(DistributedTrainer).setup()
+        unison.engine.attach_strategy(learn, ParallelConfig())   # what learn.to_distributed() does
     """
 
     # Last: it reads grad_sync after GradientAccumulation set it, and marks "entering the
@@ -106,32 +108,32 @@ class DistributedTrainer(Callback):
         self.monitor: RankMonitor | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
-    def setup(self) -> None:
+    def setup(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
         self.created_group = setup_distrib(self.cuda_id, timeout=self.timeout, backend=self.backend)
-        self._original_model = learn.model
-        self._original_collective = learn.collective
-        self._original_device = learn.device
+        self._before = parts
         self._converted = False
+        moved_from = learn.device
         try:
             device = self._device()
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # (a user's NCCL group made without set_device: not cuda:0)
             # Moved even on one process (`--gpus 1`): the model, its optimizer state and the loss's buffers.
-            place_training_state(learn.model, learn.opt, learn.loss_func, device)
+            place_training_state(parts.model, parts.opt, learn.loss_func, device)
             if group_active() and dist.get_world_size() > 1:
-                self._wrap(device)
+                parts = self._wrap(parts, device)
                 self.active = True
+            return parts
         except BaseException:
-            self.restore()  # a refused setup leaves the learner exactly as it was
-            if learn.device != self._original_device:
-                place_training_state(learn.model, learn.opt, learn.loss_func, self._original_device)
+            self.restore()  # a refused setup leaves the model as it was, and no group behind
+            self.leave()
+            if learn.device != moved_from:  # (the host still holds parts.model)
+                place_training_state(parts.model, parts.opt, learn.loss_func, moved_from)
             raise
 
-    def _wrap(self, device: torch.device) -> None:
-        learn = self.learn
-        collective = make_collective(learn, device, self.check_data)
-        model = learn.model
+    def _wrap(self, parts: TrainingParts, device: torch.device) -> TrainingParts:
+        collective = make_collective(self.learn, device, self.check_data)
+        model = parts.model
         kwargs = dict(self.ddp_kwargs)
         if self.sync_bn:
             model = convert_sync_batchnorm(model)
@@ -150,9 +152,10 @@ class DistributedTrainer(Callback):
             if empty:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
             model = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
-        learn.model = model  # (a model with nothing to train needs no DDP, only sharded data)
-        join_collective(learn, collective)
         self.monitor = RankMonitor(self.timeout)
+        # (a model with nothing to train needs no DDP, only sharded data)
+        seed = shared_seed(collective, parts.data_seed)
+        return replace(parts, model=model, collective=collective, data_seed=seed)
 
     def _device(self) -> torch.device:
         return training_device(self.learn, self.cuda_id, self.backend)
@@ -180,6 +183,10 @@ class DistributedTrainer(Callback):
     def after_step(self) -> None:
         self._at(2)
 
+    def start_point(self, point: StartPoint) -> StartPoint:
+        """Where the loop would start: every rank starts together."""
+        return point
+
     def diagnose(self) -> RankStalledError | None:
         """After a failed collective: the rank that stopped taking part, if another one did."""
         return self.monitor.diagnose() if self.monitor is not None else None
@@ -201,22 +208,26 @@ class DistributedTrainer(Callback):
             self._no_sync.__exit__(None, None, None)
             self._no_sync = None
 
-    def restore(self) -> None:
-        """Put back the model (unwrapped, BatchNorm reverted), the collective and the group."""
-        learn = self.learn
+    def leave(self) -> None:
+        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
+        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
+        if self.created_group:
+            teardown_distrib()
+            self.created_group = False
+
+    def restore(self) -> TrainingParts:
+        """Undo `setup`: the model unwrapped (BatchNorm reverted in place: the user's model object is
+        kept), the collective as it was, the group closed where setup made it."""
         self._leave_no_sync()
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
+        before = self._before
         if self._converted:
-            revert_sync_batchnorm(learn.raw_model)  # in place: the user's model object is kept
+            revert_sync_batchnorm(before.model)
             self._converted = False
-        learn.model = self._original_model
-        learn.set_collective(self._original_collective)
         self.active = False
-        if self.created_group:
-            teardown_distrib()
-            self.created_group = False
+        return replace(before, opt=self.learn.opt, data_seed=self.learn.data_seed)
 
 
 class ParallelTrainer(Callback):
@@ -233,15 +244,16 @@ class ParallelTrainer(Callback):
     def __init__(self, device_ids: Sequence[int] | None = None):
         self.device_ids = list(device_ids) if device_ids is not None else None
 
-    def setup(self) -> None:
-        learn = self.learn
-        self._original_model = learn.model
+    def setup(self, parts: TrainingParts) -> TrainingParts:
+        """`parts` with the model in `DataParallel` over the devices (as they were without CUDA)."""
+        self._before = parts
         if not torch.cuda.is_available():
             warnings.warn("to_parallel: no CUDA device, training on one CPU process as before", stacklevel=3)
-            return
+            return parts
         ids = self.device_ids if self.device_ids is not None else list(range(torch.cuda.device_count()))
-        place_training_state(learn.model, learn.opt, learn.loss_func, torch.device("cuda", ids[0]))
-        learn.model = DataParallel(learn.model, device_ids=ids)
+        place_training_state(parts.model, parts.opt, self.learn.loss_func, torch.device("cuda", ids[0]))
+        return replace(parts, model=DataParallel(parts.model, device_ids=ids))
 
-    def restore(self) -> None:
-        self.learn.model = self._original_model
+    def restore(self) -> TrainingParts:
+        """The parts as they were before `setup`."""
+        return replace(self._before, opt=self.learn.opt, data_seed=self.learn.data_seed)

@@ -29,7 +29,7 @@ from unison.data.sharding import LoaderShards
 from unison.data.stream import loader_length
 from unison.distributed.collective import Collective
 from unison.distributed.joining import check_loaders_agree
-from unison.distributed.strategy import ParallelConfig, Strategy, make_strategy
+from unison.distributed.strategy import ParallelConfig, Strategy, VotedSteps, make_strategy
 from unison.distributed.watchdog import is_peer_failure
 from unison.exact_loss import ExactLoss
 from unison.loop_state import StartPoint, TrainingParts
@@ -43,6 +43,7 @@ __all__ = [
     "backward",
     "begin_pass",
     "check_loader_agrees",
+    "commit_step",
     "detach_parallel",
     "detach_strategy",
     "init_loop_state",
@@ -53,6 +54,7 @@ __all__ = [
     "shard_loader",
     "start_at",
     "start_fit",
+    "take_share",
     "to_parallel",
     "training_parts",
     "trim_padding",
@@ -312,6 +314,39 @@ def backward(host: EngineHost) -> None:
         host.loss_grad.backward()
     if host.grad_sync:  # this batch ends an optimizer step: divide by its global count
         host.exact_loss.normalise_grads(host)
+
+
+def take_share(host: EngineHost) -> None:
+    """Under torchft, before a training batch's events: this step's quorum, when one is due, and
+    this process's rows of it among the replicas taking part."""
+    strategy = host.strategy
+    if host.training and isinstance(strategy, VotedSteps):
+        host.xb, host.yb, host._empty_share = strategy.step_share(host.epoch, host.iter, host.xb, host.yb)
+
+
+def commit_step(host: EngineHost) -> bool:
+    """After a training batch's backward, under torchft: the step's gradient summed over the
+    replicas, then their vote. A failed vote retakes the step on the same items among the replicas
+    left: the `Learner` computes its new share's gradient here; the own loop's body runs again
+    (False, with `host.redo_step` set: its loader yields the new share). True: the step goes on."""
+    strategy = host.strategy
+    if not (host.training and isinstance(strategy, VotedSteps)):
+        return True
+    while True:
+        committed, loss, count = strategy.commit()
+        if loss is not None:
+            host.loss, host.loss_count = loss, count
+        if committed:
+            return True
+        host.xb, host.yb, host._empty_share = strategy.retake_step()
+        host.pred = host.loss = host.loss_grad = None
+        host.loss_count = 0.0
+        if host.redoes_by_loop:  # the own loop computes the loss
+            host.redo_step = True  # (its optimizer step is skipped, its loader yields the share)
+            return False
+        host.pred = host.call_model(host.model, host.xb)
+        score(host, *host.exact_loss.terms(host))
+        backward(host)
 
 
 def optimizer_step(host: EngineHost) -> None:

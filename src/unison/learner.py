@@ -252,6 +252,7 @@ class Learner(LoopState):
                 self.train_iter = self.epoch * self.n_iter + self.iter
                 self.pct_train = self.train_iter / max(1, self.n_epoch * self.n_iter)
             engine.prepare_batch(self, batch, i, self.n_inp, self._device)  # padding trimmed
+            engine.take_share(self)  # under torchft: this process's rows among the replicas
             self._with_events(self._do_one_batch, "batch", CancelBatchException)
 
     def _do_one_batch(self) -> None:
@@ -273,6 +274,7 @@ class Learner(LoopState):
             return
         self("before_backward")
         engine.backward(self)  # then the gradient of the global batch, at a step's last micro-batch
+        engine.commit_step(self)  # under torchft: summed over the replicas, voted, redone if it failed
         self("after_backward")
         self("before_step")
         engine.optimizer_step(self)

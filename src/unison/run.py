@@ -302,6 +302,7 @@ class Run:
             engine.backward(host)
         finally:
             self._backwarding = False
+        engine.commit_step(host)  # under torchft: a failed step is redone by the loop's body
         host("after_backward")
 
     def _refuse_bare_backward(self, grad: Tensor) -> None:

@@ -182,6 +182,8 @@ class RunLoader:
                 host.xb, host.yb, host._padded_xb, host._empty_share = (batch,), (), (padded,), empty
                 host.pred = host.loss = host.loss_grad = None
                 host.loss_count = 0.0
+                if training:
+                    engine.take_share(host)  # under torchft: this process's rows among the replicas
                 try:
                     host("before_batch")
                 except CancelBatchException:
@@ -191,8 +193,6 @@ class RunLoader:
                 yield host.xb[0]  # (as a callback left it: float64 under check-exact)
                 while training and host.redo_step:  # its torchft commit failed: the same items again
                     host.redo_step = False
-                    host.pred = host.loss = host.loss_grad = None
-                    host.loss_count = 0.0
                     yield host.xb[0]  # this rank's new share of them (no after_batch for the failed one)
                 self._end_batch(cancelled=False)
         except cancel:

@@ -16,8 +16,10 @@ optimizer state, data position; no disk read) and trains on. The run ends on the
 uninterrupted one-process run, up to float noise (another summation order).
 
 A loss counted over tokens (or anything but rows) is exact too: the shares' summed gradients and
-counts are summed together (`unison.distributed.ft_reduce`). The own loop (`Run(fault_tolerant=True)`)
-redoes a step by running its body again: the host's `redoes_by_loop`, `redo_step` then set.
+counts are summed together (`unison.distributed.ft_reduce`). The engine drives it in both loops:
+`step_share` before each training step, `commit` after its backward and `retake_step` after a
+failed vote (`unison.engine.take_share`, `commit_step`); the own loop (`Run(fault_tolerant=True)`)
+redoes a step by running its body again.
 
 Why not a quorum every step (torchft's own loop): a quorum is a barrier of all replicas at the
 lighthouse, a few round trips that take about as long as a small model's whole step (one every
@@ -51,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from unison.data.batch import batch_size_of
@@ -59,7 +62,7 @@ from unison.distributed.env import group_active
 from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.distributed.ft_quorum import QuorumWitness, membership_change
 from unison.distributed.ft_reduce import ReplicaGroupLostError, StepVector, group_sum
-from unison.distributed.ft_rows import RowLoads, Split, rows_of
+from unison.distributed.ft_rows import RowLoads, Share, Split, rows_of
 from unison.distributed.group import setup_distrib, teardown_distrib
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
@@ -335,19 +338,19 @@ class FaultTolerantTrainer(Callback):
             self._loads.detach()
             self._loads = None
 
-    def before_batch(self) -> None:
-        learn = self.learn
-        if not learn.training:
-            return
-        self._position = (learn.epoch, learn.iter)
+    def step_share(self, epoch: int, step: int, xb: Any, yb: Any) -> Share:
+        """Training step `step` of `epoch` is about to run on the global batch `(xb, yb)` (or this
+        process's rows of it, where the loader cut them): its quorum, when one is due, and this
+        process's rows of the step among the replicas taking part."""
+        self._position = (epoch, step)
         if not self._quorum_ready and self._quorum_due:
             self._quorum()
             self._check_not_moved()
             self._say_membership()
         self._quorum_ready = False
-        cut = self._loads is not None and self._loads.took(learn.iter, learn.xb, learn.yb)
-        self._full = None if cut else (learn.xb, learn.yb)  # (cut: `_loads` has this process's rows)
-        self._take_share()
+        cut = self._loads is not None and self._loads.took(step, xb, yb)
+        self._full = None if cut else (xb, yb)  # (cut: `_loads` has this process's rows)
+        return self._take_share()
 
     def _say_membership(self, redo: bool = False) -> str:
         """Say which replicas joined the quorum since the last one (and which left, between steps);
@@ -378,34 +381,20 @@ class FaultTolerantTrainer(Callback):
         # Rank r of participant p takes rows p*G + r :: P*G: the P groups' G ranks deal the step out.
         return part * self.group_size + self.group_rank, parts * self.group_size
 
-    def _take_share(self) -> None:
-        learn = self.learn
+    def _take_share(self) -> Share:
         self.events["participants"].append(self.manager.num_participants())
         self._split = first, stride = self._split_now()
         if self._full is None:  # this process's rows were loaded alone (or are loaded now)
             assert self._loads is not None
-            learn.xb, learn.yb, learn._empty_share = self._loads.share(learn, self._split)
-            return
+            return self._loads.share(self.learn, self._split)
         xb, yb = self._full
-        learn.xb, learn.yb = rows_of(xb, first, stride), rows_of(yb, first, stride)
-        learn._empty_share = batch_size_of(learn.xb) == 0
+        xb, yb = rows_of(xb, first, stride), rows_of(yb, first, stride)
+        return xb, yb, batch_size_of(xb) == 0
 
-    def after_backward(self) -> None:
-        learn = self.learn
-        if not learn.training:
-            return
-        if learn.redoes_by_loop:  # the own loop computes the loss: its body runs the step again
-            if not self._reduce_and_commit():
-                self._retake_step()
-                learn.redo_step = True  # (its optimizer step is skipped, its loader yields the share)
-            return
-        while not self._reduce_and_commit():
-            self._retake_step()
-            self._recompute_share()
-
-    def _reduce_and_commit(self) -> bool:
-        """Sum the gradient over the replica group (its own gloo group), then over the participants
-        (torchft's all-reduce, per group rank); True when the step may be taken (voted by the group)."""
+    def commit(self) -> tuple[bool, Tensor | None, float]:
+        """After the step's backward: sum its gradient over the replica group (its own gloo group),
+        then over the participants (torchft's all-reduce, per group rank), and vote on it.
+        `(committed, the global batch's loss, its count)` (None when no loss rode along)."""
         from torch.distributed import ReduceOp
 
         step = StepVector.pack(self.learn)  # the gradients, the share's loss and count riding along
@@ -416,35 +405,24 @@ class FaultTolerantTrainer(Callback):
             group_sum(vector, self.replica_id)
         self.manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
         step.flat, self._quorum_due = vector[:-1], bool(vector[-1] > 0)
-        step.unpack(self.learn)  # the global batch's gradient and loss
-        return bool(self.manager.should_commit())
+        loss, count = step.unpack()  # the global batch's gradient and loss
+        return bool(self.manager.should_commit()), loss, count
 
-    def _retake_step(self) -> None:
-        """The step failed somewhere (a lost peer): new quorum, same items, this rank's new share of
-        them in `learn.xb`/`yb`, no gradient yet."""
-        learn = self.learn
-        assert learn.opt is not None
+    def retake_step(self) -> Share:
+        """The step failed somewhere (a lost peer): a new quorum, the same items, and this process's
+        new share of them (the gradient zeroed)."""
+        opt = self.learn.opt
+        assert opt is not None
         self.events["redone"] += 1
-        learn.opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         was = self.events["participants"][-1]
         self._quorum()
         self._check_not_moved()
         lost = self._say_membership(redo=True) or "the same replicas take part (a collective failed)"
-        self._take_share()
+        share = self._take_share()
         epoch, step = self._position
         now = self.events["participants"][-1]
         self.events.setdefault("lost", []).append(lost)
         failed = f"epoch {epoch} step {step} failed with {was} replicas"
         self._say(f"{failed}; redone with {now} over the same items; {lost}")
-
-    def _recompute_share(self) -> None:
-        """The Learner's redo: the new share's forward pass, loss and gradient, as the step made them."""
-        learn = self.learn
-        learn.pred = learn.call_model(learn.model, learn.xb)
-        total, count, mean = learn.exact_loss.terms(learn)
-        learn.loss_count = count
-        mean = mean if mean is not None else (total / count if count > 0 else total * 0)
-        learn.loss = mean.detach()
-        learn.loss_grad = learn.exact_loss.to_backward(learn, total, count, mean)
-        learn.loss_grad.backward()
-        learn.exact_loss.normalise_grads(learn)
+        return share

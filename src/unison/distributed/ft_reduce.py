@@ -14,7 +14,7 @@ so the exact loss (`unison.exact_loss`) divides its gradient by what it can know
 Either way every replica ends with the gradient of the whole global batch, and the loss of it.
 
     step = StepVector.pack(learn)
-    manager.allreduce(step.flat).wait(); step.unpack(learn)
+    manager.allreduce(step.flat).wait(); loss, count = step.unpack()
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ class StepVector:
             flat[:-2].mul_(float(learn.loss_count))
         return cls(params, flat, bool(riders), counted)
 
-    def unpack(self, learn: LearnerView) -> None:
-        """Each parameter's gradient from the summed vector, and the global batch's loss and count
-        (the same on every replica: the recorder's train_loss)."""
+    def unpack(self) -> tuple[Tensor | None, float]:
+        """Set each parameter's gradient from the summed vector; return the global batch's loss and
+        count (the same on every replica: the recorder's train_loss), or (None, 0.0) without them."""
         flat = self.flat
         total = float(flat[-1]) if self.riders else 0.0
         if self.counted and total > 0:
@@ -90,4 +90,5 @@ class StepVector:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
         if total > 0:  # (each rank of a group: the recorder's own sum keeps it)
-            learn.loss, learn.loss_count = flat[-2] / flat[-1], total
+            return flat[-2] / flat[-1], total
+        return None, 0.0

@@ -36,6 +36,8 @@ __all__ = ["RowLoads", "Split", "load_problem", "rows_of"]
 
 #: `(first, stride)`: rows `first, first + stride, ...` of a step.
 Split = tuple[int, int]
+#: This process's rows of a step: (inputs, targets, whether it has none).
+Share = tuple[Any, Any, bool]
 
 
 def rows_of(x: Any, first: int, stride: int) -> Any:
@@ -126,7 +128,7 @@ class RowLoads:
         self._loaded = None if split is None else (k, split, xb, yb)
         return split is not None
 
-    def share(self, host: Any, split: Split) -> tuple[Any, Any, bool]:
+    def share(self, host: Any, split: Split) -> Share:
         """`(xb, yb, empty)`: rows `split` of the step `took` last, sliced from the rows loaded when
         they hold them, else loaded now (a redo, or a quorum where a replica left)."""
         assert self._loaded is not None

@@ -81,6 +81,27 @@ class Strategy(Protocol):
         ...
 
 
+@runtime_checkable
+class VotedSteps(Protocol):
+    """A strategy whose replicas come and go between steps and vote on each one (torchft): the
+    engine asks it for this process's rows of each training step, and, after the step's backward,
+    for the vote; a failed step is retaken on the same items (`unison.engine.commit_step`)."""
+
+    def step_share(self, epoch: int, step: int, xb: Any, yb: Any) -> tuple[Any, Any, bool]:
+        """This process's `(inputs, targets, whether it has no rows)` of the step (a quorum first,
+        when one is due)."""
+        ...
+
+    def commit(self) -> tuple[bool, Any, float]:
+        """The step's gradient summed over the replicas, then the vote: `(committed, the global
+        batch's loss or None, its count)`."""
+        ...
+
+    def retake_step(self) -> tuple[Any, Any, bool]:
+        """After a failed vote: a new quorum and this process's new share of the same items."""
+        ...
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How to train across the processes of a launch: the strategy and its options, checked.

@@ -179,3 +179,45 @@ def test_each_lazy_package_names_its_exports_once_for_type_checkers_and_once_for
                     if isinstance(imp, ast.ImportFrom):
                         checked.update({alias.name: imp.module for alias in imp.names})
         assert checked == loaded, init
+
+
+def host_writes(path: Path) -> list[str]:
+    """Assignments to an attribute of the loop's host in `path`: `learn.x = ...`, `host.x = ...`,
+    `self.learn.x = ...` (augmented and tuple targets included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign)
+            else []
+        )
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                owner = t.value
+                named = isinstance(owner, ast.Name) and owner.id in {"learn", "host"}
+                via_self = isinstance(owner, ast.Attribute) and owner.attr in {"learn", "host"}
+                if named or via_self:
+                    found.append(f"{path.name}:{t.lineno} {ast.unparse(t)}")
+    return found
+
+
+def test_the_host_writes_checker_finds_one(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(learn):\n    learn.xb, y = 1, 2\n    self.learn.model = 3\n")
+    assert host_writes(sample) == ["sample.py:2 learn.xb", "sample.py:3 self.learn.model"]
+
+
+def test_strategies_and_checkpoints_write_nothing_on_the_host():
+    """They take what they need and return their results; the engine puts them in place
+    (`unison.engine.use_parts`, `start_at`, `take_share`, `commit_step`)."""
+    writes = [
+        w
+        for package in ("distributed", "checkpoint")
+        for p in (PACKAGE / package).rglob("*.py")
+        for w in host_writes(p)
+    ]
+    assert writes == []

@@ -17,7 +17,10 @@ from unison.fastai import *  # (fastai's tutorial: from fastai.distributed impor
 
 
 def make_table(path: Path, n: int = 1000, seed: int = 0) -> Path:
-    """A made-up table written once (as the tutorial's `untar_data` download is), under `path`."""
+    """A made-up table written once (as the tutorial's `untar_data` download is), under `path`:
+    `rank0_first` calls it on every rank, rank 0 first, and the others find the file there."""
+    if (path / "table.csv").exists():
+        return path / "table.csv"
     rng = np.random.RandomState(seed)
     df = pd.DataFrame(
         {"colour": rng.choice(["red", "green", "blue"], n), "a": rng.randn(n), "b": rng.randn(n) * 3 + 1}

@@ -25,27 +25,39 @@ def mix_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-@contextmanager
-def seeded_draws(seed: int) -> Iterator[None]:
-    """Inside the block, Python's, NumPy's and torch's CPU generators start from `seed`; after it,
-    each is where it was before. A random transform run inside draws as a function of `seed`
-    alone, whichever process runs it and whatever that process drew before.
-
-    >>> with seeded_draws(7): a = torch.rand(2)
-    >>> with seeded_draws(7): b = torch.rand(2)
-    >>> bool((a == b).all())
-    True
-    """
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+def seed_generators(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's CPU generators with `seed` (no GPU's: GPU dropout keeps
+    its stream, unlike `torch.manual_seed`, which seeds every device's too)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
+
+
+@contextmanager
+def seeded_draws(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Inside the block, Python's, NumPy's and torch's CPU generators (and `device`'s, a GPU) start
+    from `seed`; after it, each is where it was before. A random transform run inside draws as a
+    function of `seed` alone, whichever process runs it and whatever that process drew before.
+
+    >>> with seeded_draws(7): a = torch.rand(2), random.random()
+    >>> with seeded_draws(7): b = torch.rand(2), random.random()
+    >>> bool((a[0] == b[0]).all()) and a[1] == b[1]
+    True
+    """
+    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    gpu = device if device is not None and device.type == "cuda" else None
+    gpu_state = torch.cuda.get_rng_state(gpu) if gpu is not None else None
+    seed_generators(seed)
+    if gpu is not None:
+        torch.cuda.default_generators[gpu.index or 0].manual_seed(seed)
     try:
         yield
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
+        torch.set_rng_state(cpu_state)
+        if gpu is not None and gpu_state is not None:
+            torch.cuda.set_rng_state(gpu_state, gpu)
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

@@ -46,7 +46,7 @@ from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
 from unison.fastai.accumulation import Accumulation, find_accumulation, refuse_unresumable
-from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree
+from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree, needs_share
 from unison.fastai.lr_find import end_sweep, start_sweep
 from unison.fastai.state import (
     CallbackStates,
@@ -185,9 +185,9 @@ class UnisonBridge(fastai_core.Callback):
         return files.together(self.host.collective, what, work)
 
     def shard(self, dl: Any, pad: bool) -> Any:
-        """This rank's share of `dl` (kept across epochs); `dl` itself on one process."""
-        if (self.world_size == 1 and not self.checkpointing) or isinstance(dl, RankShardedFastaiDL):
-            return dl  # (one process: fastai's own loader, unless a resume must start mid-epoch)
+        """This rank's share of `dl` (kept across epochs); `dl` itself where none is needed."""
+        if isinstance(dl, RankShardedFastaiDL) or not needs_share(dl, self.world_size, self.checkpointing):
+            return dl
         key = (id(dl), pad)
         if key not in self.shards or self.shards[key][0] is not dl:
             collective = self.host.collective
@@ -318,17 +318,17 @@ class UnisonBridge(fastai_core.Callback):
             self.learn.recorder.log = L([self.learn.epoch, *rows[self.learn.epoch]])
 
     def restore_checkpoint(self) -> None:
-        """The newest checkpoint, if any: model, optimizer, RNG states, fastai's data order, and the
-        epoch and batch this fit continues at."""
-        host = self.host
-        ckpt = host.get_cb(Checkpoint)
-        if ckpt is None or not ckpt.restore_latest():
+        """The newest checkpoint, if any: weights, RNG, fastai's data order, where this fit continues."""
+        host, ckpt = self.host, self.host.get_cb(Checkpoint)
+        point = ckpt.restore_latest() if ckpt is not None else None
+        if point is None:
             return
-        self.skip_to = (host.start_epoch, host.start_iter)
+        engine.start_at(host, point)
+        self.skip_to = (point.epoch, point.step)
         if host.collective.rank == 0:  # (the one writer)
             files.rewind_csv_logs(self.learn, self.csv_starts)
         loaded = self.order_state.loaded
-        if loaded is not None and host.start_iter:
+        if loaded is not None and point.step:
             self.pending_order = loaded["before_epoch"]
         elif loaded is not None:
             self.learn.dls.train.rng.setstate(as_rng_state(loaded["now"]))

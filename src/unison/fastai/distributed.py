@@ -14,6 +14,7 @@ import unison.engine as engine
 from unison.callbacks.preemption import handling
 from unison.distributed.strategy import ParallelConfig
 from unison.fastai.bridge import UnisonBridge
+from unison.fastai.mixing import GlobalBatchMixing
 from unison.fastai.progress import use_launch_progress
 
 __all__ = ["detach_distributed", "distrib_ctx", "get_bridge", "to_distributed"]
@@ -42,7 +43,9 @@ def to_distributed(
         raise RuntimeError("unison.fastai.to_distributed: this Learner is distributed already")
     config = ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, False, **ddp_kwargs)
     bridge = UnisonBridge(learn, config, checkpoint_every, resume)
-    learn.add_cbs([bridge, bridge.after_recorder])
+    # (MixUp and CutMix mix the global batch, with draws one process makes: unison.fastai.mixing)
+    bridge.mixing = GlobalBatchMixing(bridge.host.collective)
+    learn.add_cbs([bridge, bridge.after_recorder, bridge.mixing])
     if bridge.world_size > 1:
         # fastai's own gathers read WORLD_SIZE; the bridge hands fastai every rank's rows already.
         bridge.saved_world_size = set_world_size_env("1")
@@ -63,7 +66,7 @@ def detach_distributed(learn: Any) -> Any:
     try:
         bridge.restore()
     finally:
-        learn.remove_cbs([bridge, bridge.after_recorder])
+        learn.remove_cbs([bridge, bridge.after_recorder, bridge.mixing])
         getattr(bridge, "restore_progress", lambda: None)()
         if distributed:
             set_world_size_env(getattr(bridge, "saved_world_size", None))

@@ -28,8 +28,16 @@ from fastai.data.load import _FakeLoader
 from fastai.torch_core import to_detach
 
 from unison.data.plan import PositionPlan, RankPlan, strided_plan
+from unison.fastai.augment import (
+    after_batch_by_item,
+    draws_by_position,
+    epoch_seed,
+    random_transforms,
+    refuse_unseeded,
+    seeded_batches,
+)
 
-__all__ = ["RankShardedFastaiDL", "check_loaders_agree"]
+__all__ = ["RankShardedFastaiDL", "check_loaders_agree", "needs_share"]
 
 
 class RankShardedFastaiDL(TfmdDL):
@@ -51,8 +59,12 @@ class RankShardedFastaiDL(TfmdDL):
             persistent_workers=fake.persistent_workers,
             pin_memory_device=fake.pin_memory_device,
         )
-        self._plan: RankPlan | PositionPlan = RankPlan([], [0], [])
+        self._plan: RankPlan | PositionPlan = RankPlan([], [0], [])  # (of positions in the epoch's order)
         self._start = 0
+        # Augmentation drawn by position (unison.fastai.augment): the epoch's seed, the next batch.
+        self.by_position, self.seed, self._next_batch = draws_by_position(dl), 0, 0
+        if world_size > 1:
+            refuse_unseeded(dl)
         self.on_drawn: Any = None  # called once after the next epoch's order is drawn (a resume)
 
     # ---- the plan ----------------------------------------------------------------------
@@ -70,13 +82,18 @@ class RankShardedFastaiDL(TfmdDL):
         return n // global_bs if self.drop_last else math.ceil(n / global_bs)
 
     def get_idxs(self) -> list[Any]:
+        self.seed = epoch_seed(self.dl.rng)  # (before the order moves it: the same on every rank)
         order = list(self.dl.get_idxs())  # fastai's own order for this epoch, drawn alike on every rank
         if self.on_drawn is not None:
             drawn, self.on_drawn = self.on_drawn, None
             drawn()
-        self._plan = strided_plan(order, self.rank, self.world_size, self.bs, len(self), self.pad)
+        positions = list(range(len(order)))
+        self._plan = strided_plan(positions, self.rank, self.world_size, self.bs, len(self), self.pad)
         start, self._start = self._start, 0
-        return [i for batch in self._plan.batches(start) for i in batch]
+        self._next_batch = start
+        mine = [p for batch in self._plan.batches(start) for p in batch]
+        # (index, position) keys where items are made seeded by position (`create_batches`)
+        return [(order[p], p) for p in mine] if self.by_position else [order[p] for p in mine]
 
     # ---- unison's rank-sharded loader protocol -----------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -115,12 +132,18 @@ class RankShardedFastaiDL(TfmdDL):
         self.dl.before_iter()
 
     def after_batch(self, b: Any) -> Any:
-        return self.dl.after_batch(b)
+        if not (self.by_position and random_transforms(self.dl.after_batch)):
+            return self.dl.after_batch(b)
+        # (batches come back in order from fastai's workers too: batch k is the plan's k-th)
+        positions, self._next_batch = self._plan.batch(self._next_batch), self._next_batch + 1
+        return after_batch_by_item(self.dl, b, positions, self.seed)
 
     def after_iter(self) -> None:
         self.dl.after_iter()
 
     def create_batches(self, samps: Any) -> Any:
+        if self.by_position:
+            return seeded_batches(self.dl, samps, self.seed)
         return self.dl.create_batches(samps)
 
     def decode(self, b: Any) -> Any:
@@ -135,6 +158,16 @@ class RankShardedFastaiDL(TfmdDL):
 
     def __repr__(self) -> str:
         return f"RankShardedFastaiDL(rank={self.rank}, world_size={self.world_size}, batches={len(self)})"
+
+
+def needs_share(dl: Any, world_size: int, checkpointing: bool) -> bool:
+    """Whether `dl` trains through a `RankShardedFastaiDL`: on W > 1 processes, on one with checkpoints
+    (a resume starts mid-epoch), and on one where its augmentation is drawn by position (so that one
+    process draws what W do). Batches that are not a fastai loader (`show_results`'s `[batch]`) are
+    this process's own: none."""
+    from fastai.data.load import DataLoader
+
+    return isinstance(dl, DataLoader) and (world_size > 1 or checkpointing or draws_by_position(dl))
 
 
 def check_loaders_agree(dls: Any, collective: Any) -> None:

@@ -22,17 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unison.checkpoint.components import check_components, component_states, load_components
+from unison.checkpoint.components import Group, check_components
 from unison.checkpoint.errors import CheckpointError
-from unison.checkpoint.format import (
-    FORMAT_KEY,
-    FORMAT_VERSION,
-    atomic_save,
-    check_state_fits,
-    load_or_previous,
-    remove_stale_temps,
-)
-from unison.checkpoint.sharded import checked_source, load_sharded_weights, save_sharded, sharded_path
+from unison.checkpoint.format import remove_stale_temps
+from unison.checkpoint.store import Weights, find, load_weights, save
 from unison.env_names import PROBE_ENV
 from unison.events import Callback
 from unison.loop_state import StartPoint
@@ -157,85 +150,87 @@ class Checkpoint(Callback):
             self.writing = False
 
     def _save(self, epoch: int, batches_done: int) -> Path:
-        learn = self.learn
-        collective = learn.collective
+        learn, collective = self.learn, self.learn.collective
         # A stateful stream's state on every rank (each reads its own part), mid-epoch only.
-        stateful = batches_done and hasattr(learn.dl, "load_state_dict")
-        stream_state = learn.dl.state_dict() if stateful else None
-        gathered = collective.gather_objects((get_rng_state(), stream_state))
-        rng_states = [rng for rng, _ in gathered]
-        stream_states = [stream for _, stream in gathered]
-        recorder_partial = learn.recorder.partial_state() if batches_done else None
-        sharded = learn.checkpoint_format == "dcp"  # every rank writes its shards (checkpoint/sharded.py)
-        if collective.is_main or sharded:
-            assert learn.opt is not None
-            state: dict[str, Any] = {
-                FORMAT_KEY: FORMAT_VERSION,
-                "kind": "checkpoint",
-                "model": None if sharded else learn.raw_model.state_dict(),
-                "opt": None if sharded else learn.opt.state_dict(),
-                "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
-                "epoch": epoch,
-                "samples_done": batches_done * (self._global_batch() or 1),
-                "steps_done": batches_done,
-                "global_batch": self._global_batch(),
-                "world_size": collective.world_size,
-                "data_seed": learn.data_seed,
-                "rng": rng_states,
-                "stream": stream_states,
-                "recorder": learn.recorder.state_dict(),
-                "recorder_partial": recorder_partial,
-                "callbacks": self._callback_states(),
-                "components": component_states(self.components),
-            }
-            if sharded:
-                save_sharded(
-                    sharded_path(self.file), learn.model, learn.opt, state, collective, self.keep_previous
-                )
-            else:
-                atomic_save(state, self.file, self.keep_previous)
+        stream = learn.dl.state_dict() if batches_done and hasattr(learn.dl, "load_state_dict") else None
+        ranks = collective.gather_objects((get_rng_state(), stream))
+        global_batch = self._global_batch()
+        state = {
+            "epoch": epoch,
+            "samples_done": batches_done * (global_batch or 1),
+            "steps_done": batches_done,
+            "global_batch": global_batch,
+            "world_size": collective.world_size,
+            "data_seed": learn.data_seed,
+            "rng": [rng for rng, _ in ranks],
+            "stream": [stream for _, stream in ranks],
+            "scaler": learn.scaler.state_dict() if learn.scaler is not None else None,
+            "recorder_partial": learn.recorder.partial_state() if batches_done else None,  # (a collective)
+            **{key: part.state_dict() for key, part in self._parts().items()},
+        }
+        # The strategy names the format: "dcp", every rank writes its shards (checkpoint/sharded.py).
+        written = save(
+            self.file, learn.checkpoint_format, self._weights(), state, collective, self.keep_previous
+        )
         self.saves += 1
-        return sharded_path(self.file) if sharded else self.file
+        return written
 
-    def _keys(self) -> list[tuple[str, Callback]]:
-        """A stable name for each stateful callback: class name and its index among its kind."""
+    def _weights(self) -> Weights:
+        return Weights(self.learn.model, self.learn.raw_model, self.learn.opt)
+
+    def _parts(self) -> dict[str, Any]:
+        """What the checkpoint holds besides weights, position and RNG, under its key on disk: the
+        recorder, every other stateful callback (by class name and index among its kind), and the
+        components it is handed (loaded after the optimizer, its hyper-parameters kept)."""
+        learn = self.learn
         seen: Counter[str] = Counter()
-        keys = []
-        for cb in self.learn.cbs:
-            if cb is self or cb is self.learn.recorder:
-                continue
-            name = type(cb).__name__
-            keys.append((f"{name}:{seen[name]}", cb))
-            seen[name] += 1
-        return keys
-
-    def _callback_states(self) -> dict[str, dict[str, Any]]:
-        return {key: cb.state_dict() for key, cb in self._keys() if cb.state_dict()}
+        callbacks = {}
+        for cb in learn.cbs:
+            if cb is not self and cb is not learn.recorder:
+                name = type(cb).__name__
+                callbacks[f"{name}:{seen[name]}"] = cb
+                seen[name] += 1
+        return {
+            "recorder": learn.recorder,
+            "callbacks": Group(callbacks, skip_empty=True),
+            "components": Group(self.components, keep=learn.opt),
+        }
 
     def restore_latest(self) -> StartPoint | None:
         """Load the newest checkpoint into the model, optimizer, recorder, callbacks, components and
         RNG states, and return where `fit` continues (`unison.engine.start_at` puts it in place);
         None if there is no checkpoint."""
-        learn = self.learn
-        if learn.collective.is_main:  # the writer's rank: temp files of a save a kill cut short
+        learn, collective = self.learn, self.learn.collective
+        if collective.is_main:  # the writer's rank: temp files of a save a kill cut short
             remove_stale_temps(self.file)
-        # a sharded run's checkpoint folder, verified (or the previous one, when kept)
-        sharded = learn.checkpoint_format == "dcp"
-        folder, sharded_state = checked_source(
-            self.file, learn.model, learn.collective, self.keep_previous, sharded=sharded
-        )
-        if sharded_state is not None:
-            state = sharded_state
-        elif self.file.exists():
-            # Loaded to the CPU, as Lightning does: generator states must be CPU byte tensors, and the
-            # recorder's sums mix with CPU ones; the model and optimizer copy theirs to their own device.
-            state = load_or_previous(
-                self.file, self.keep_previous, learn.collective.is_main, map_location="cpu", kind="checkpoint"
-            )
-            check_state_fits(learn.raw_model, state["model"], self.file)
-        else:
+        fmt = learn.checkpoint_format
+        found = find(self.file, fmt, self._weights(), collective, self.keep_previous)
+        if found is None:
             return None
-        global_batch = self._global_batch()
+        state = {**found.state, "components": found.state.get("components") or {}}
+        step = self._step(state)
+        check_components(self.components, state["components"], found.source)
+        # Everything is checked: now change the learner.
+        if learn.opt is None:
+            learn.create_opt()
+        load_weights(found, self._weights(), fmt, collective)
+        for key, part in self._parts().items():
+            part.load_state_dict(state[key])
+        learn.recorder.resume_partial(state["recorder_partial"], collective.rank, collective.world_size)
+        rank, rng, streams = collective.rank, state["rng"], state.get("stream") or []
+        set_rng_state(rng[rank % len(rng)])
+        return StartPoint(
+            epoch=state["epoch"],
+            step=step,
+            data_seed=state["data_seed"],
+            stream_state=streams[rank] if len(streams) == collective.world_size else None,
+            scaler_state=state.get("scaler"),
+        )
+
+    def _step(self, state: dict[str, Any]) -> int:
+        """The training step of its epoch that checkpoint `state` stopped at, at this run's global
+        batch: refused when it is not a whole number of them, warned when the global batch changed."""
+        global_batch = now = self._global_batch()
         samples = state["samples_done"]
         if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
             global_batch, samples = 1, state.get("steps_done", samples)
@@ -245,42 +240,14 @@ class Checkpoint(Callback):
                 f"of global batches of {global_batch} (batch_size x processes): resume with the global batch "
                 f"of the interrupted run ({state['global_batch']})"
             )
-        was, now = state.get("global_batch"), self._global_batch()
-        if was is not None and now is not None and was != now and learn.collective.is_main:
+        was = state.get("global_batch")
+        if was is not None and now is not None and was != now and self.learn.collective.is_main:
             # Allowed (an elastic job that lost a node resumes smaller), but never silently.
             warnings.warn(
                 f"resuming {self.file} at a global batch of {now} (batch_size x "
-                f"{learn.collective.world_size} processes) where the interrupted run had {was}: "
+                f"{self.learn.collective.world_size} processes) where the interrupted run had {was}: "
                 "from here the run no longer equals the uninterrupted one",
                 GlobalBatchChangedWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        components = state.get("components") or {}
-        check_components(self.components, components, folder or self.file)
-        # Everything is checked: now change the learner.
-        if learn.opt is None:
-            learn.create_opt()
-        assert learn.opt is not None
-        if not load_sharded_weights(learn, folder, state):  # a plain checkpoint into a plain model
-            learn.raw_model.load_state_dict(state["model"])
-            learn.opt.load_state_dict(state["opt"])
-        learn.recorder.load_state_dict(state["recorder"])
-        learn.recorder.resume_partial(
-            state["recorder_partial"], learn.collective.rank, learn.collective.world_size
-        )
-        for key, cb in self._keys():
-            if key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][key])
-        load_components(self.components, components, learn.opt)
-        rank = learn.collective.rank
-        rng = state["rng"]
-        set_rng_state(rng[rank] if rank < len(rng) else rng[rank % len(rng)])
-        streams = state.get("stream") or []
-        same_world = len(streams) == learn.collective.world_size
-        return StartPoint(
-            epoch=state["epoch"],
-            step=samples // global_batch,
-            data_seed=state["data_seed"],
-            stream_state=streams[rank] if same_world and rank < len(streams) else None,
-            scaler_state=state.get("scaler"),
-        )
+        return samples // global_batch

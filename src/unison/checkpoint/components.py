@@ -17,13 +17,7 @@ import torch
 
 from unison.checkpoint.errors import CheckpointError
 
-__all__ = [
-    "check_components",
-    "component_states",
-    "kept_hyperparameters",
-    "load_components",
-    "stateful_problem",
-]
+__all__ = ["Group", "check_components", "kept_hyperparameters", "stateful_problem"]
 
 
 def stateful_problem(obj: Any) -> str | None:
@@ -55,11 +49,6 @@ def kept_hyperparameters(opt: torch.optim.Optimizer | None) -> Iterator[None]:
             group.update(values)
 
 
-def component_states(components: Mapping[str, Any]) -> dict[str, Any]:
-    """Each component's `state_dict()`, by name."""
-    return {name: obj.state_dict() for name, obj in components.items()}
-
-
 def check_components(components: Mapping[str, Any], states: Mapping[str, Any], source: Any) -> None:
     """Refuse, in one line, a checkpoint whose components are not those handed now: one left at
     its start, or a saved one dropped, would resume silently off the uninterrupted run."""
@@ -73,11 +62,27 @@ def check_components(components: Mapping[str, Any], states: Mapping[str, Any], s
         )
 
 
-def load_components(
-    components: Mapping[str, Any], states: Mapping[str, Any], opt: torch.optim.Optimizer | None
-) -> None:
-    """Load `states` into `components` (checked by `check_components`), keeping `opt`'s
-    hyper-parameters as the checkpoint restored them."""
-    with kept_hyperparameters(opt):
-        for name, obj in components.items():
-            obj.load_state_dict(states[name])
+class Group:
+    """Named objects with `state_dict` / `load_state_dict` kept as one: their states by name (with
+    `skip_empty`, only those that have one: callbacks without state), loaded into the objects
+    whose name was saved, `keep`'s hyper-parameters as they were (a scheduler loaded writes them).
+
+    >>> counter = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), 10)
+    >>> Group({"sched": counter}).state_dict()["sched"]["step_size"]
+    10
+    """
+
+    def __init__(
+        self, objects: Mapping[str, Any], keep: torch.optim.Optimizer | None = None, skip_empty: bool = False
+    ):
+        self.objects, self.keep, self.skip_empty = objects, keep, skip_empty
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {name: obj.state_dict() for name, obj in self.objects.items()}
+        return {name: state for name, state in states.items() if state or not self.skip_empty}
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        with kept_hyperparameters(self.keep):
+            for name, obj in self.objects.items():
+                if name in states:
+                    obj.load_state_dict(states[name])

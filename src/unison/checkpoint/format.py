@@ -9,8 +9,8 @@ import pickle
 import re
 import secrets
 import shutil
-import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -290,33 +290,6 @@ def safe_load(
     return obj
 
 
-def load_or_previous(
-    path: str | os.PathLike[str], keep_previous: bool, warn: bool = True, **kwargs: Any
-) -> dict[str, Any]:
-    """`safe_load(path, **kwargs)`; with `keep_previous`, a refused `path` falls back to
-    `previous_path(path)` when that one loads, with a warning (when `warn`).
-
-        state = load_or_previous("models/checkpoint.pth", True, map_location="cpu", kind="checkpoint")
-    """
-    try:
-        return safe_load(path, **kwargs)
-    except CheckpointError as exc:
-        previous = previous_path(path)
-        if not keep_previous:
-            raise
-        if not previous.is_file():
-            raise CheckpointError(f"{exc} (and there is no previous checkpoint {previous})") from None
-        refused = str(exc)
-    try:
-        obj = safe_load(previous, **kwargs)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{refused}; the previous checkpoint is refused too: {exc}") from None
-    if warn:
-        warnings.warn(f"{refused}; resuming from the previous checkpoint {previous}", stacklevel=2)
-    note_resumed_from_previous(path)
-    return obj
-
-
 #: torch's weights-only errors advise loading with weights_only=False or allow-listing the global:
 #: both run the file's code, so no line carrying that advice is ever repeated.
 _ADVICE = (
@@ -348,19 +321,29 @@ def _refusal(exc: Exception) -> str:
     return f"refused ({plain[0]})" if plain else "refused by torch's weights-only loader"
 
 
-def check_state_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
-    """Raise `CheckpointError` unless `state` has exactly `model`'s keys and shapes."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+def shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of a `state_dict`, by key."""
+    return {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def check_fits(
+    source: Path | str, own: Mapping[str, tuple[int, ...]], stored: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Raise `CheckpointError` unless the tensors `stored` in `source` have exactly the model's keys and
+    shapes (`own`), both as `shapes` gives them.
+
+    >>> check_fits("m.pth", {"weight": (1, 2)}, {"weight": (2, 2)})
+    Traceback (most recent call last):
+    unison.checkpoint.errors.CheckpointError: m.pth does not fit this model: weight has shape (2, 2), ...
+    """
+    missing, unexpected = sorted(set(own) - set(stored)), sorted(set(stored) - set(own))
     if missing or unexpected:
         raise CheckpointError(
             f"{source} does not fit this model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
         )
-    for key, value in own.items():
-        if tuple(value.shape) != tuple(state[key].shape):
+    for key, shape in own.items():
+        if stored[key] != shape:
             raise CheckpointError(
-                f"{source} does not fit this model: {key} has shape {tuple(state[key].shape)}, "
-                f"the model has {tuple(value.shape)}"
+                f"{source} does not fit this model: {key} has shape {stored[key]}, the model has {shape}"
             )

@@ -1,9 +1,9 @@
 """A learner's own files: `save` / `load` of its model (and optimizer), `fit(resume=True)`, and the
 in-memory `snapshot` / `restore` that `lr_find` uses.
 
-A plain model is written by rank 0 alone, atomically (`format.atomic_save`), and read back
-weights-only and checked against the model; a sharded (FSDP2) model writes a DCP folder, every
-rank its own shards (`sharded.save_learner`).
+Both formats go through `store`'s one save/load pair: a plain model is written by rank 0 alone,
+atomically, and read back weights-only and checked against the model; a sharded (FSDP2) model
+writes a DCP folder, every rank its own shards.
 
     save(learn, "stage1")          # learn.save("stage1"): models/stage1.pth
 """
@@ -14,8 +14,9 @@ import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unison.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, atomic_save, check_state_fits, safe_load
-from unison.checkpoint.sharded import load_learner, save_learner
+from unison.checkpoint import store
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.store import Weights
 from unison.distributed.env import rank_distrib
 
 if TYPE_CHECKING:
@@ -32,38 +33,32 @@ def model_file(learn: LearnerView, name: str | Path) -> Path:
 
 
 def save(learn: LearnerView, name: str | Path, with_opt: bool = True) -> Path:
-    """Write the model (and optimizer) state atomically; rank 0 writes, every rank waits for it."""
-    file = model_file(learn, name)
-    if learn.checkpoint_format == "dcp":  # every rank writes its own shards: name.dcp
-        return save_learner(learn, file, with_opt)
+    """Write the model (and optimizer) state atomically, as the model's strategy names the format:
+    rank 0 writes `name.pth`, or every rank its shards into `name.dcp`; every rank waits for it."""
+    file, fmt = model_file(learn, name), learn.checkpoint_format
+    weights = Weights(learn.model, learn.raw_model, learn.opt if with_opt else None)
     # Outside distrib_ctx the collective says rank 0 everywhere: the group or launcher decides.
-    if learn.collective.is_main and rank_distrib() == 0:
-        state: dict[str, Any] = {
-            FORMAT_KEY: FORMAT_VERSION,
-            "kind": "model",
-            "model": learn.raw_model.state_dict(),
-        }
-        if with_opt and learn.opt is not None:
-            state["opt"] = learn.opt.state_dict()
-        atomic_save(state, file)
+    if fmt == "dcp" or rank_distrib() == 0:
+        file = store.save(
+            file, fmt, weights, {"with_opt": weights.opt is not None}, learn.collective, kind="model"
+        )
     learn.collective.barrier()  # nobody reads the file before it is complete
     return file
 
 
 def load(learn: LearnerView, name: str | Path, with_opt: bool = True, strict: bool = True) -> None:
-    """Load what `save` wrote, mapped to this process's device; checked before anything changes."""
-    file = model_file(learn, name)
-    if load_learner(learn, file, with_opt):  # a sharded save, or a sharded learner
-        return
-    state = safe_load(file, map_location=learn.device, kind="model")
-    if strict:
-        check_state_fits(learn.raw_model, state["model"], file)
-    learn.raw_model.load_state_dict(state["model"], strict=strict)
-    if with_opt and "opt" in state:
-        if learn.opt is None:
-            learn.create_opt()
-        assert learn.opt is not None
-        learn.opt.load_state_dict(state["opt"])
+    """Load what `save` wrote, in either format into either kind of model (a file mapped to this
+    process's device); checked before anything changes (the keys and shapes only with `strict`)."""
+    file, fmt = model_file(learn, name), learn.checkpoint_format
+    on = learn.device if fmt == "file" else "cpu"  # (a sharded model takes its slices of full CPU tensors)
+    weights = Weights(learn.model, learn.raw_model, None)
+    found = store.find(file, fmt, weights, learn.collective, kind="model", map_location=on, strict=strict)
+    if found is None:
+        raise CheckpointError(f"no checkpoint file at {file}")
+    if with_opt and found.holds_opt and learn.opt is None:
+        learn.create_opt()
+    weights = Weights(learn.model, learn.raw_model, learn.opt if with_opt else None)
+    store.load_weights(found, weights, fmt, learn.collective, strict=strict)
 
 
 def resume(learn: EngineHost) -> StartPoint | None:

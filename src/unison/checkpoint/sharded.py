@@ -52,11 +52,11 @@ from unison.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
     atomic_save,
-    check_state_fits,
-    note_resumed_from_previous,
+    check_fits,
     previous_path,
     rotate_previous,
     safe_load,
+    shapes,
 )
 from unison.checkpoint.integrity import CHECKSUM, check_files, file_checksum
 from unison.distributed.collective import Collective
@@ -241,41 +241,6 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-def checked_source(
-    file: str | os.PathLike[str],
-    model: nn.Module,
-    collective: Collective,
-    keep_previous: bool = False,
-    *,
-    sharded: bool,
-) -> tuple[Path | None, dict[str, Any] | None]:
-    """The sharded folder to resume `file` from and its meta state, verified; (None, None) when there
-    is none (see `sharded_source`). A refused folder raises `CheckpointError`, unless
-    `keep_previous` and the previous folder verifies: then it is used, with a warning.
-    A collective: every rank calls it, and every rank takes the same branch.
-    """
-    folder = sharded_source(file, sharded)
-    if folder is None:
-        return None, None
-    try:
-        return folder, read_meta(folder, model, collective)
-    except CheckpointError as exc:
-        refused = str(exc)
-        if not keep_previous:
-            raise
-    previous = previous_path(sharded_path(file))
-    try:
-        state = read_meta(previous, model, collective)
-    except CheckpointError as exc:
-        if not previous.exists():
-            raise CheckpointError(f"{refused} (and there is no previous checkpoint {previous})") from None
-        raise CheckpointError(f"{refused}; the previous checkpoint is refused too: {exc}") from None
-    if collective.is_main:
-        warnings.warn(f"{refused}; resuming from the previous checkpoint {previous}", stacklevel=2)
-    note_resumed_from_previous(sharded_path(file))  # the next save replaces the refused one, keeps this
-    return previous, state
-
-
 def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
     metadata = dcp.FileSystemReader(path).read_metadata()
     return {
@@ -286,19 +251,7 @@ def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _check_fits(path: Path, model: nn.Module) -> None:
-    stored = _stored_model_tensors(path)
-    own = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
-    missing, unexpected = sorted(set(own) - set(stored)), sorted(set(stored) - set(own))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not fit this model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
-        )
-    for key, shape in own.items():
-        if stored[key] != shape:
-            raise CheckpointError(
-                f"{path} does not fit this model: {key} has shape {stored[key]}, the model has {shape}"
-            )
+    check_fits(path, shapes(get_model_state_dict(model)), _stored_model_tensors(path))
 
 
 def load_sharded(
@@ -362,59 +315,6 @@ def load_full_into_sharded(
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved_groups],
     }
     set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
-
-
-def sharded_source(file: str | os.PathLike[str], sharded: bool) -> Path | None:
-    """The sharded folder to resume `file` from: there is one, and the model is `sharded` (its
-    strategy's checkpoint format is "dcp") or there is no plain `file` (a plain file into a plain
-    model is the usual path)."""
-    folder = find_sharded(sharded_path(file))
-    return folder if folder is not None and (sharded or not Path(file).exists()) else None
-
-
-def load_sharded_weights(learn: Any, folder: Path | None, state: dict[str, Any]) -> bool:
-    """Load model and optimizer state for `Checkpoint.restore_latest` where sharding is involved:
-    from the sharded `folder`, or from a plain checkpoint's `state` onto a sharded model.
-    False when neither (a plain checkpoint into a plain model: the caller's business)."""
-    if folder is not None:
-        load_sharded(folder, learn.model, learn.opt, learn.collective)
-    elif learn.checkpoint_format == "dcp":
-        load_full_into_sharded(learn.model, learn.opt, state["model"], state["opt"])
-    else:
-        return False
-    return True
-
-
-def save_learner(learn: Any, file: Path, with_opt: bool = True) -> Path:
-    """`Learner.save` for a sharded model: the folder `file` with suffix `.dcp`, every rank writing."""
-    meta = {"with_opt": with_opt and learn.opt is not None}
-    return save_sharded(
-        sharded_path(file), learn.model, learn.opt if with_opt else None, meta, learn.collective
-    )
-
-
-def load_learner(learn: Any, file: Path, with_opt: bool = True) -> bool:
-    """`Learner.load` where sharding is involved: a sharded save (`file` with suffix `.dcp`), or
-    a plain `file` onto a sharded learner (each rank keeps its slices). False when neither."""
-    sharded = learn.checkpoint_format == "dcp"
-    folder = sharded_source(file, sharded)
-    if folder is None and not sharded:
-        return False
-    if folder is not None:
-        read_meta(folder, learn.model, learn.collective)
-        saved_opt = with_opt
-    else:
-        state = safe_load(file, map_location="cpu", kind="model")
-        check_state_fits(learn.raw_model, state["model"], file)
-        saved_opt = with_opt and "opt" in state
-    if saved_opt and learn.opt is None:
-        learn.create_opt()
-    opt = learn.opt if saved_opt else None
-    if folder is not None:
-        load_sharded(folder, learn.model, opt, learn.collective)
-    else:
-        load_full_into_sharded(learn.model, opt, state["model"], state.get("opt"))
-    return True
 
 
 def export_state_dict(checkpoint: str | os.PathLike[str], file: str | os.PathLike[str]) -> Path:

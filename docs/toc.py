@@ -58,6 +58,7 @@ MANUAL: list[tuple[str, str, list[Page]]] = [
             Page(
                 "streaming.md", "Streaming", "`IterableDataset` streams and batch samplers, sharded exactly"
             ),
+            Page("vision.md", "Vision", "random augmentation exact: torchvision transforms, workers, fastai"),
             Page(
                 "gpus.md",
                 "GPUs and mixed precision",

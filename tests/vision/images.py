@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from sklearn.datasets import load_digits
+from torch.utils.data import Dataset
 
 CLASSES = ("zero", "one", "two", "three")
 
@@ -39,4 +41,41 @@ def write_image_folder(
 
 def image_files(root: Path, split: str = "train") -> list[tuple[Path, int]]:
     """Every (file, class index) of `split` under `root`, in a fixed order."""
-    return [(path, label) for label, name in enumerate(CLASSES) for path in sorted((root / split / name).iterdir())]
+    return [
+        (path, label)
+        for label, name in enumerate(CLASSES)
+        for path in sorted((root / split / name).iterdir())
+    ]
+
+
+class AugmentedImages(Dataset):
+    """The image files `files` ((path, label) pairs) decoded with `torchvision.io.decode_image` and,
+    for training, augmented at random by a `transforms.v2` pipeline (a crop of random scale and
+    shape, a flip, colour jitter) drawing from torch's global generator, as a user's `Dataset` does;
+    for validation centre-cropped. Images come as float64 in [0, 1], `size` x `size`."""
+
+    def __init__(self, files: list[tuple[Path, int]], train: bool = True, size: int = 24) -> None:
+        from torchvision.transforms import v2
+
+        self.files = files
+        to_float = v2.ToDtype(torch.float64, scale=True)
+        if train:
+            self.transform = v2.Compose(
+                [
+                    v2.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True),
+                    v2.RandomHorizontalFlip(),
+                    v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1),
+                    to_float,
+                ]
+            )
+        else:
+            self.transform = v2.Compose([v2.CenterCrop(size), to_float])
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from torchvision.io import ImageReadMode, decode_image
+
+        path, label = self.files[index]
+        return self.transform(decode_image(str(path), mode=ImageReadMode.RGB)), label

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.hangs import run_or_report
 from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
 from unison.callbacks.preemption import PREEMPTED_EXIT, Preempted, Preemption
-from unison.checkpoint import callback as checkpoint_callback
+from unison.checkpoint import store as checkpoint_store
 from unison.distributed.slurm import job_to_requeue, requeue
 from unison.signals import launcher_signals, parse_signals, preempt_signals
 
@@ -97,18 +97,18 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor
 
 def _preempt_then_resume(path: Path, at: int, phase: str, sig: signal.Signals, monkeypatch) -> Preempted:
     cue = SignalAt(at, phase, sig)
-    real_save = checkpoint_callback.atomic_save
+    real_save = checkpoint_store.atomic_save
 
     def save_with_signal(*args, **kwargs):
         if phase == "save" and cue.armed:
             cue.send()  # handled at once: the flag is set while this write runs
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_callback, "atomic_save", save_with_signal)
+    monkeypatch.setattr(checkpoint_store, "atomic_save", save_with_signal)
     learn = _learner(path, cbs=[cue])
     with pytest.raises(Preempted) as stopped:
         _fit(learn)
-    monkeypatch.setattr(checkpoint_callback, "atomic_save", real_save)
+    monkeypatch.setattr(checkpoint_store, "atomic_save", real_save)
     state = torch.load(path / "models" / "checkpoint.pth", weights_only=True)
     stopped.value.position = (state["epoch"], state["steps_done"])  # type: ignore[attr-defined]
     resumed = _learner(path)
@@ -211,14 +211,14 @@ def fit_with_a_slow_save_signalled(path: str, seconds: float) -> None:
     (a slow disk), longer than the stall limit."""
     import time
 
-    real_save = checkpoint_callback.atomic_save
+    real_save = checkpoint_store.atomic_save
 
     def slow_save(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(seconds)
         return real_save(*args, **kwargs)
 
-    checkpoint_callback.atomic_save = slow_save
+    checkpoint_store.atomic_save = slow_save
     _fit(_learner(Path(path)))
 
 

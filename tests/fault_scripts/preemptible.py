@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Callback, Checkpoint, DataLoaders, Learner, set_seed
-from unison.checkpoint import callback as checkpoint_callback
+from unison.checkpoint import store as checkpoint_store
 from unison.distributed import rank_distrib
 
 parser = argparse.ArgumentParser()
@@ -75,7 +75,7 @@ class Cue(Callback):
             send()
 
 
-real_atomic_save = checkpoint_callback.atomic_save
+real_atomic_save = checkpoint_store.atomic_save
 
 
 def atomic_save(*a, **k):
@@ -84,7 +84,7 @@ def atomic_save(*a, **k):
     return real_atomic_save(*a, **k)
 
 
-checkpoint_callback.atomic_save = atomic_save
+checkpoint_store.atomic_save = atomic_save
 CUE = Cue()
 
 set_seed(0)

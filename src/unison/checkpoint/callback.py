@@ -24,7 +24,6 @@ from typing import Any
 
 from unison.checkpoint.components import Group, check_components
 from unison.checkpoint.errors import CheckpointError
-from unison.checkpoint.format import remove_stale_temps
 from unison.checkpoint.store import Weights, find, load_weights, save
 from unison.env_names import PROBE_ENV
 from unison.events import Callback
@@ -201,8 +200,6 @@ class Checkpoint(Callback):
         RNG states, and return where `fit` continues (`unison.engine.start_at` puts it in place);
         None if there is no checkpoint."""
         learn, collective = self.learn, self.learn.collective
-        if collective.is_main:  # the writer's rank: temp files of a save a kill cut short
-            remove_stale_temps(self.file)
         fmt = learn.checkpoint_format
         found = find(self.file, fmt, self._weights(), collective, self.keep_previous)
         if found is None:

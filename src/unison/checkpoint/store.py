@@ -35,6 +35,7 @@ from unison.checkpoint.format import (
     check_fits,
     note_resumed_from_previous,
     previous_path,
+    remove_stale_temps,
     safe_load,
     shapes,
 )
@@ -107,6 +108,8 @@ def find(
     """The checkpoint saved as `file` (or its folder `file.dcp`), verified on every rank and fitting
     `weights`' model (a file's keys and shapes only with `strict`); None when there is neither. A
     collective under "dcp", or for a folder."""
+    if collective.is_main:  # the writer's rank: temp files of a save a kill cut short
+        remove_stale_temps(file)
     folder = find_sharded(sharded_path(file)) if fmt == "dcp" or not file.exists() else None
     if folder is not None:
 

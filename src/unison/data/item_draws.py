@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from unison.data.held_generators import HeldGenerators
-from unison.rng import mix_seed
+from unison.rng import mix_seed, seed_generators
 
 __all__ = ["SeededItems", "draws_reachable", "item_seed"]
 
@@ -79,13 +79,6 @@ def _generators_kept() -> Iterator[None]:
         torch.set_rng_state(torch_state)
 
 
-def _seed_generators(seed: int) -> None:
-    """Seed the generators as `seeded_draws(seed)` does, without saving and restoring them per item."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
-
-
 class SeededItems(Dataset):
     """`dataset` fetched by `(index, seed)` keys: item `index` is loaded with the generators seeded
     from `seed` (as `seeded_draws(seed)` seeds them), in the main process or a DataLoader worker
@@ -113,7 +106,7 @@ class SeededItems(Dataset):
             if items is None:
                 items = []
                 for index, seed in keys:
-                    _seed_generators(seed)
+                    seed_generators(seed)
                     items.append(self.dataset[index])
         self.held.refuse_moved(before)
         return items
@@ -121,7 +114,7 @@ class SeededItems(Dataset):
     def _fetch_batched(self, keys: Sequence[tuple[Any, int]]) -> list[Any] | None:
         """The dataset's own batched fetch of `keys`, or None where it drew at random (then never again)."""
         seed = keys[0][1] if keys else 0
-        _seed_generators(seed)
+        seed_generators(seed)
         seeded = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         items = list(self.dataset.__getitems__([index for index, _ in keys]))
         after = (random.getstate(), np.random.get_state(), torch.get_rng_state())

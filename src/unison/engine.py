@@ -25,14 +25,11 @@ from torch import Tensor, nn
 
 from unison.data.batch import batch_size_of, split_batch, take_rows, to_device
 from unison.data.ranked import is_rank_sharded
-from unison.data.sharding import LoaderShards
 from unison.data.stream import loader_length
-from unison.distributed.collective import Collective
 from unison.distributed.joining import check_loaders_agree
 from unison.distributed.strategy import ParallelConfig, Strategy, VotedSteps, make_strategy
 from unison.distributed.watchdog import is_peer_failure
-from unison.exact_loss import ExactLoss
-from unison.loop_state import StartPoint, TrainingParts
+from unison.loop_state import BatchState, StartPoint, TrainingParts
 
 if TYPE_CHECKING:
     from unison.learner_view import EngineHost
@@ -46,7 +43,6 @@ __all__ = [
     "commit_step",
     "detach_parallel",
     "detach_strategy",
-    "init_loop_state",
     "name_stalled_rank",
     "optimizer_step",
     "prepare_batch",
@@ -61,37 +57,6 @@ __all__ = [
     "unwrap_model",
     "use_parts",
 ]
-
-
-# ---- the state both loops start with -----------------------------------------------------------
-def init_loop_state(host: Any) -> None:
-    """Give `host` the loop's state as the engine, strategies and callbacks read it (the names of
-    `unison.learner_view.LearnerView`), before anything ran: one process, no batch, no strategy."""
-    host.opt = None
-    host.scaler = None  # set by MixedPrecision("fp16")
-    # The data order of every epoch is a function of this seed (see DistributedDL), rank 0's in a job.
-    host._data_seed = torch.initial_seed() % 2**63
-    host.collective = Collective()
-    host.strategy = None  # DDP, FSDP2 or torchft while one is attached
-    host.exact_loss = ExactLoss()  # reads (sum, count) and divides each step's gradient
-    host._shards = LoaderShards()  # each loader's sharded form, kept across epochs
-    host.grad_sync = True  # False on gradient-accumulation micro-steps (DDP's no_sync)
-    host.record_metrics = host.score = True  # score False: forward passes only (get_preds)
-    host.start_epoch = host.start_iter = 0
-    host.stream_resume_state = None  # set by Checkpoint for a stateful stream
-    host.epoch = host.n_epoch = host.iter = host.n_iter = host.train_iter = 0
-    host.pct_train = 0.0
-    host.training = False
-    host.dl = None
-    host.xb, host.yb, host._padded_xb = (), (), ()
-    host._empty_share = False
-    host.pred = host.loss = host.loss_grad = None
-    host.loss_count = 0.0  # the loss terms (samples, tokens) of this rank's batch
-    host.lr_finder = None  # set by lr_find
-    # A step whose torchft commit vote failed is redone: by the Learner itself (it has the loss
-    # function), by the own loop's body running again (`redoes_by_loop`; `redo_step` asks for it).
-    host.redoes_by_loop = host.redo_step = False
-    host.cbs = []
 
 
 # ---- the strategy ------------------------------------------------------------------------------
@@ -283,15 +248,12 @@ def prepare_batch(host: EngineHost, batch: Any, index: int, n_inp: int, device: 
     """`batch` on the host's device, split into `host.xb` / `host.yb`, with the rows a rank-sharded
     loader added to even out ranks dropped from the *inputs*: whatever computes the loss (the
     model itself included), padding is never scored. `host._empty_share`: no real rows here."""
-    batch = to_device(batch, device, non_blocking=True)
-    host.xb, host.yb = split_batch(batch, n_inp)
+    xb, yb = split_batch(to_device(batch, device, non_blocking=True), n_inp)
     real = real_rows(host, index)
-    host._empty_share = real == 0
-    host._padded_xb = host.xb
-    if real is not None and real < batch_size_of(host.xb):
-        host.xb, host.yb = take_rows(host.xb, real), take_rows(host.yb, real)
-    host.pred = host.loss = host.loss_grad = None  # a skipped batch must not report the last one
-    host.loss_count = 0.0
+    padded = xb
+    if real is not None and real < batch_size_of(xb):
+        xb, yb = take_rows(xb, real), take_rows(yb, real)
+    host.batch = BatchState(xb, yb, padded, real == 0)  # (a skipped batch reports no loss of the last one)
 
 
 def score(host: EngineHost, total: Tensor, count: float, mean: Tensor | None) -> None:
@@ -338,9 +300,8 @@ def commit_step(host: EngineHost) -> bool:
             host.loss, host.loss_count = loss, count
         if committed:
             return True
-        host.xb, host.yb, host._empty_share = strategy.retake_step()
-        host.pred = host.loss = host.loss_grad = None
-        host.loss_count = 0.0
+        xb, yb, empty = strategy.retake_step()
+        host.batch = BatchState(xb, yb, host._padded_xb, empty)
         if host.redoes_by_loop:  # the own loop computes the loss
             host.redo_step = True  # (its optimizer step is skipped, its loader yields the share)
             return False

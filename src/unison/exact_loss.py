@@ -34,7 +34,7 @@ from unison.losses import (
 
 if TYPE_CHECKING:
     from unison.distributed.collective import Collective
-    from unison.learner_view import LearnerView
+    from unison.learner_view import EngineHost
 
 
 def takes_targets(func: Callable[..., Any] | None) -> bool:
@@ -112,7 +112,7 @@ class ExactLoss:
     def start_epoch(self, batch_size: int | None) -> None:
         self.step = StepCount(float(batch_size or 1))
 
-    def terms(self, learn: LearnerView) -> tuple[Tensor, float, Tensor | None]:
+    def terms(self, learn: EngineHost) -> tuple[Tensor, float, Tensor | None]:
         """`(sum, count, mean)` of this batch's loss (`mean` None when only the sum is known)."""
         func = learn.loss_func
         if self.count_is_rows is None:  # before any batch: judged from the loss alone
@@ -132,7 +132,7 @@ class ExactLoss:
         n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
         return out * n, n, out
 
-    def _own_terms(self, learn: LearnerView) -> tuple[Tensor, float, Tensor | None]:
+    def _own_terms(self, learn: EngineHost) -> tuple[Tensor, float, Tensor | None]:
         """The model's own mean loss, counted over the HF `labels` it scored. Which labels it
         scored is read from its output on the first batch of each pass (`own_loss_rule`): a
         wrapper, subclass, compiled or sharded model is counted as it computed."""
@@ -154,7 +154,7 @@ class ExactLoss:
             return zero_loss(learn.pred), 0.0, None
         return mean * count, count, mean
 
-    def to_backward(self, learn: LearnerView, total: Tensor, count: float, mean: Tensor) -> Tensor:
+    def to_backward(self, learn: EngineHost, total: Tensor, count: float, mean: Tensor) -> Tensor:
         """What this micro-batch backpropagates: `total / ref` (a full batch's mean, untouched)."""
         global_rows = None
         if self.count_is_rows:
@@ -163,7 +163,7 @@ class ExactLoss:
         ref = self.step.add(count, global_rows, last=learn.grad_sync, collective=learn.collective)
         return mean if count == ref else total / ref
 
-    def normalise_grads(self, learn: LearnerView) -> None:
+    def normalise_grads(self, learn: EngineHost) -> None:
         """At the step: the gradient of (sum over every rank and micro-batch) / (their count)."""
         factor = self.step.factor(learn.collective)
         if factor == 1.0:

@@ -46,7 +46,6 @@ from unison.data.batch import (
 )
 from unison.data.ranked import RankShardedLoader
 from unison.data.stream import check_stream_split
-from unison.distributed.collective import Collective
 from unison.distributed.strategy import ParallelConfig
 from unison.events import (
     Callback,
@@ -55,20 +54,17 @@ from unison.events import (
     CancelFitException,
     CancelTrainException,
     CancelValidException,
-    attach_callback,
     attached_callbacks,
-    detach_callback,
-    fire,
 )
 from unison.learner_checks import check_devices, check_fit_args, check_learner_args
-from unison.learner_view import LoopState
+from unison.loop_host import LoopHost
 from unison.losses import SummedLoss
 from unison.metrics import Metric, as_metrics
 from unison.optim import apply_lr, check_lr, group_lrs, make_optimizer
 from unison.predictions import collect_preds, predict_item
 
 
-class Learner(LoopState):
+class Learner(LoopHost):
     """Trains `model` on `dls` with `loss_func`, driving callbacks at each named event.
 
         learn = Learner(DataLoaders(train_dl, valid_dl), model, nn.CrossEntropyLoss(),
@@ -124,40 +120,18 @@ class Learner(LoopState):
         self.path = Path(path)
         self.model_dir = Path(model_dir)
         self.n_inp = n_inp
-        engine.init_loop_state(self)  # opt, collective, strategy, epoch, iter, xb, yb, loss, cbs, ...
+        LoopHost.__init__(self)  # opt, collective, strategy, epoch, iter, the batch, cbs, ...
         self.recorder = Recorder()
         if default_cbs:  # recorder, progress bars, non-finite check, preemption (callbacks/defaults.py)
             self.add_cbs(default_callbacks(self.recorder, on_nonfinite, on_preempt))
         self.add_cbs(cbs)
         attach_if_checking(self)  # only under `unison check-exact`: records the first steps
 
-    def add_cb(self, cb: Callback | type[Callback]) -> Learner:
-        """Attach a callback (an instance, or a class to instantiate with no arguments)."""
-        attach_callback(self, cb)
-        return self
-
-    def add_cbs(self, cbs: Iterable[Callback | type[Callback]]) -> Learner:
-        for cb in cbs:
-            attach_callback(self, cb)
-        return self
-
-    def remove_cb(self, cb: Callback | type[Callback]) -> Learner:
-        """Detach a callback instance, or every callback of a class."""
-        detach_callback(self, cb)
-        return self
-
-    def get_cb(self, cls: type[Callback]) -> Callback | None:
-        """The first attached callback of class `cls`, if any."""
-        return next((c for c in self.cbs if isinstance(c, cls)), None)
-
     @contextlib.contextmanager
     def added_cbs(self, cbs: Iterable[Callback | type[Callback]]) -> Iterator[Learner]:
         """Callbacks attached for the duration of a `with` block."""
         with attached_callbacks(self, cbs):
             yield self
-
-    def __call__(self, event: str) -> None:
-        fire(self.cbs, event)
 
     def _with_events(self, body: Callable[[], None], stage: str, cancel: type[Exception]) -> None:
         try:
@@ -282,24 +256,9 @@ class Learner(LoopState):
         assert self.opt is not None  # fit made it
         self.opt.zero_grad(set_to_none=True)
 
-    @property
-    def data_seed(self) -> int:
-        """The seed of every epoch's data order (with the epoch number); the same on all ranks."""
-        return self._data_seed
-
-    @data_seed.setter
-    def data_seed(self, seed: int) -> None:
-        self._data_seed = seed
-        self._shards.clear()
-
     def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
         """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""
         return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
-
-    def set_collective(self, collective: Collective) -> None:
-        """Use `collective` for sharding and reductions (the engine hands it a strategy's)."""
-        self.collective = collective
-        self._shards.clear()
 
     # ---- evaluation ------------------------------------------------------------------
     def validate(self, dl: DataLoader | None = None) -> list[float]:
@@ -333,22 +292,6 @@ class Learner(LoopState):
         return predict_item(self.raw_model, loader.collate_fn, item, batched, self.n_inp, self.call_model)
 
     # ---- optimizer and state ---------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where the model's parameters live (batches are moved there)."""
-        param = next(self.model.parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
-
-    @property
-    def checkpoint_format(self) -> str:
-        """ "dcp" while the model is sharded (every rank writes its shards), else "file" (rank 0 writes)."""
-        return self.strategy.checkpoint_format if self.strategy is not None else "file"
-
-    @property
-    def raw_model(self) -> nn.Module:
-        """The user's model, without any parallel wrapper."""
-        return engine.unwrap_model(self.model)
-
     def create_opt(self) -> torch.optim.Optimizer:
         """`opt_func(params, lr=...)`, one param group per part of `splitter(model)` if given; the
         ratios of the groups' LRs are kept by `fit(lr=...)` and by every scheduler."""

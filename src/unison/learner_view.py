@@ -17,10 +17,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from unison.loop_state import BatchState
+
 
 class LoopState(Protocol):
     """The learner's state a callback may read (and, where the loop allows it, set). The `Learner`
-    declares it by subclassing this (its values are set by `engine.init_loop_state`)."""
+    declares it by subclassing this (its values are set by `unison.loop_host.LoopHost`)."""
 
     # what is trained, on what
     model: nn.Module
@@ -45,6 +47,7 @@ class LoopState(Protocol):
     start_epoch: int
     start_iter: int
     dl: Any
+    batch: BatchState  # the batch in flight; xb, yb, pred, loss, ... are its fields
     xb: tuple[Any, ...]
     yb: tuple[Any, ...]
     pred: Any

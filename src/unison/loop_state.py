@@ -1,7 +1,9 @@
-"""What a training loop is made of and where it starts, as values handed between the engine, the
-strategies and the checkpoint: a strategy's `setup` takes and returns `TrainingParts`; a checkpoint's
-restore and a torchft heal return a `StartPoint`; the engine puts either in place on the loop
-(`unison.engine.use_parts`, `unison.engine.start_fit`). Nothing here imports torch.distributed.
+"""What a training loop is made of, where it starts and the batch in flight, as values handed
+between the engine, the strategies and the checkpoint: a strategy's `setup` takes and returns
+`TrainingParts`; a checkpoint's restore and a torchft heal return a `StartPoint`; the engine puts
+either in place on the loop (`unison.engine.use_parts`, `unison.engine.start_fit`). Each batch is a
+new `BatchState` (`unison.engine.prepare_batch`), which the loops show under fastai's names
+(`learn.xb`, `learn.loss`, ...). Nothing here imports torch.distributed.
 
 >>> StartPoint(epoch=2, step=5)
 StartPoint(epoch=2, step=5, data_seed=None, stream_state=None, scaler_state=None)
@@ -9,12 +11,12 @@ StartPoint(epoch=2, step=5, data_seed=None, stream_state=None, scaler_state=None
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
+    from torch import Tensor, nn
 
     from unison.distributed.collective import Collective
 
@@ -43,3 +45,20 @@ class StartPoint:
     data_seed: int | None = None
     stream_state: dict[str, Any] | None = None
     scaler_state: dict[str, Any] | None = None
+
+
+@dataclass
+class BatchState:
+    """The batch in flight on this rank: its inputs and targets (padding rows trimmed), the inputs
+    as they came (`padded_xb`: an empty share's forward pass runs on them), whether this rank has no
+    row of it, and what the step made of it: the prediction, the loss (its mean), what to
+    backpropagate and the count of the loss's terms (samples, tokens)."""
+
+    xb: tuple[Any, ...] = ()
+    yb: tuple[Any, ...] = ()
+    padded_xb: tuple[Any, ...] = field(default=())
+    empty_share: bool = False
+    pred: Any = None
+    loss: Tensor | None = None
+    loss_grad: Tensor | None = None
+    loss_count: float = 0.0

@@ -116,7 +116,7 @@ class Run:
             )
         options["fault_tolerant"] = fault_tolerant
         config = ParallelConfig.from_arguments(cuda_id, sync_bn, timeout, backend, shard, **options)
-        self.host = RunHost(config, accumulate, Path(path), Path(model_dir))  # type: ignore[abstract]  # (RunHost)
+        self.host = RunHost(config, accumulate, Path(path), Path(model_dir))
         defaults = default_callbacks(self.host.recorder, on_nonfinite, on_preempt)
         self.host.add_cbs(cb for cb in defaults if not isinstance(cb, ProgressCallback))  # (no bars here)
         for cb in defaults:

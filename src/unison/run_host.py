@@ -10,7 +10,7 @@ engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,18 +24,14 @@ from unison.callbacks.recorder import Recorder
 from unison.data.batch import to_device
 from unison.data.drawn import DrawnOrder
 from unison.data.stream import loader_length
-from unison.distributed.collective import Collective
 from unison.distributed.strategy import ParallelConfig
 from unison.events import (
-    Callback,
     CancelBatchException,
     CancelTrainException,
     CancelValidException,
-    attach_callback,
-    detach_callback,
-    fire,
 )
-from unison.learner_view import LoopState
+from unison.loop_host import LoopHost
+from unison.loop_state import BatchState
 
 __all__ = [
     "LoaderOrders",
@@ -49,15 +45,13 @@ __all__ = [
 ]
 
 
-class RunHost(LoopState):
-    """What the engine, the strategy and the callbacks read and set while a `Run` trains. (Its
-    `LoopState` fields are set by `engine.init_loop_state` in `__init__`, which mypy cannot see: it
-    takes them for abstract, hence the `type: ignore[abstract]` where a RunHost is made.)"""
+class RunHost(LoopHost):
+    """What the engine, the strategy and the callbacks read and set while a `Run` trains."""
 
     def __init__(self, config: ParallelConfig, accumulate: int, path: Path, model_dir: Path) -> None:
         self.config, self.accumulate = config, accumulate
         self.path, self.model_dir = path, model_dir
-        engine.init_loop_state(self)  # opt, collective, strategy, epoch, iter, xb, yb, loss, cbs, ...
+        super().__init__()  # opt, collective, strategy, epoch, iter, the batch, cbs, ...
         self.model = cast(nn.Module, None)  # (run.setup sets it before the engine reads it)
         self.opt_func: Any = None
         self.lr: Any = None
@@ -70,73 +64,10 @@ class RunHost(LoopState):
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
         self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
 
-    @property
-    def device(self) -> torch.device:
-        param = next(self.model.parameters(), None) if self.model is not None else None
-        return param.device if param is not None else torch.device("cpu")
 
-    @property
-    def raw_model(self) -> nn.Module:
-        assert self.model is not None
-        return engine.unwrap_model(self.model)
-
-    @property
-    def checkpoint_format(self) -> str:
-        return self.strategy.checkpoint_format if self.strategy is not None else "file"
-
-    @property
-    def data_seed(self) -> int:
-        return self._data_seed
-
-    @data_seed.setter
-    def data_seed(self, seed: int) -> None:
-        self._data_seed = seed
-        self._shards.clear()
-
-    def set_collective(self, collective: Collective) -> None:
-        self.collective = collective
-        self._shards.clear()
-
-    def create_opt(self) -> None:
-        raise RuntimeError("Run: the optimizer comes from run.setup(model, opt)")
-
-    def add_cb(self, cb: Callback) -> RunHost:
-        attach_callback(self, cb)
-        return self
-
-    def add_cbs(self, cbs: Iterable[Callback]) -> RunHost:
-        for cb in cbs:
-            self.add_cb(cb)
-        return self
-
-    def remove_cb(self, cb: Callback) -> RunHost:
-        detach_callback(self, cb)
-        return self
-
-    def get_cb(self, cls: type) -> Any:
-        return next((c for c in self.cbs if isinstance(c, cls)), None)
-
-    def __call__(self, event: str) -> None:
-        fire(self.cbs, event)
-
-
-#: What a pass sets that a training batch in flight needs back after an evaluation inside it.
-_BATCH_STATE = (
-    "dl",
-    "training",
-    "iter",
-    "n_iter",
-    "grad_sync",
-    "in_batch",
-    "xb",
-    "yb",
-    "_padded_xb",
-    "_empty_share",
-    "pred",
-    "loss",
-    "loss_grad",
-    "loss_count",
-)
+#: What a pass sets that a training batch in flight needs back after an evaluation inside it
+#: (besides the batch itself, a `BatchState` each batch replaces).
+_PASS_STATE = ("dl", "training", "iter", "n_iter", "grad_sync", "in_batch", "batch")
 
 
 class RunLoader:
@@ -163,7 +94,7 @@ class RunLoader:
                 "only; call model.eval() before iterating)"
             )
         # An evaluation inside a training batch (nanoGPT's estimate_loss): the batch's state comes back.
-        outer = {name: getattr(host, name) for name in _BATCH_STATE} if host.in_batch else None
+        outer = {name: getattr(host, name) for name in _PASS_STATE} if host.in_batch else None
         start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume
         dl = host.dl
         phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
@@ -179,9 +110,7 @@ class RunLoader:
                 batch, empty, padded = engine.trim_padding(
                     host, to_device(batch, device, non_blocking=True), i
                 )
-                host.xb, host.yb, host._padded_xb, host._empty_share = (batch,), (), (padded,), empty
-                host.pred = host.loss = host.loss_grad = None
-                host.loss_count = 0.0
+                host.batch = BatchState((batch,), (), (padded,), empty)
                 if training:
                     engine.take_share(host)  # under torchft: this process's rows among the replicas
                 try:

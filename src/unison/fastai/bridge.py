@@ -122,7 +122,7 @@ class UnisonBridge(fastai_core.Callback):
         if learn.opt is None:
             learn.create_opt()
         self.opt_at_setup = learn.opt
-        host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))  # type: ignore[abstract]  # (RunHost)
+        host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
         host.model, host.loss_func = learn.model, learn.loss_func
         self.recorder = host.recorder = RecorderView(learn)
         host.add_cb(NonFiniteCheck("stop"))

@@ -143,6 +143,8 @@ class RowLoads:
         if inside and (first - have_first) % have_stride == 0:
             at, every = (first - have_first) // have_stride, stride // have_stride
             return rows_of(xb, at, every), rows_of(yb, at, every), False
-        xb, yb = _arrange(host, self.dl.load(self.dl.batch_indices(k)[first::stride]))
+        # Each item under its own seed: a random augmentation draws as when the whole step is loaded.
+        indices, seeds = self.dl.batch_indices(k), self.dl.item_seeds(k)
+        xb, yb = _arrange(host, self.dl.load(indices[first::stride], seeds[first::stride]))
         self._loaded = (k, split, xb, yb)
         return xb, yb, False

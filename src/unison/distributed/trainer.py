@@ -107,6 +107,7 @@ class DistributedTrainer(Callback):
         self._converted = False
         self.monitor: RankMonitor | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+        self._kwargs: dict[str, Any] = {}  # DDP's arguments, as `setup` made them
 
     def setup(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
@@ -142,20 +143,40 @@ class DistributedTrainer(Callback):
             user_set = {"broadcast_buffers", "forward_sync_buffers"} & set(kwargs)
             if buffers_synchronised(model) and not user_set:
                 kwargs["forward_sync_buffers"] = False
-        if any(p.requires_grad for p in model.parameters()):
-            device_ids = [device.index] if device.type == "cuda" else None
-            if dist.get_backend() == "gloo":
-                kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
-            # A zero-size parameter never gets a gradient (fastai's collab model keeps a zero-width
-            # BatchNorm it never calls): DDP would wait for it; there is nothing of it to synchronise.
-            empty = [name for name, p in model.named_parameters() if p.numel() == 0]
-            if empty:
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
-            model = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+        self._kwargs = kwargs
+        model = self._ddp(model, device)
         self.monitor = RankMonitor(self.timeout)
-        # (a model with nothing to train needs no DDP, only sharded data)
         seed = shared_seed(collective, parts.data_seed)
         return replace(parts, model=model, collective=collective, data_seed=seed)
+
+    def _ddp(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """`model` in DDP over the parameters that require a gradient now (none: `model` itself: a model
+        with nothing to train needs no DDP, only sharded data)."""
+        if not any(p.requires_grad for p in model.parameters()):
+            return model
+        kwargs = dict(self._kwargs)
+        device_ids = [device.index] if device.type == "cuda" else None
+        if dist.get_backend() == "gloo":
+            kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
+        # A zero-size parameter never gets a gradient (fastai's collab model keeps a zero-width
+        # BatchNorm it never calls): DDP would wait for it; there is nothing of it to synchronise.
+        empty = [name for name, p in model.named_parameters() if p.numel() == 0]
+        if empty:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
+        return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+    def rewrap(self, parts: TrainingParts) -> TrainingParts:
+        """`parts` with the model in a new DDP over the parameters that require a gradient now: DDP
+        synchronises the gradients of those it was built with, so a model frozen or unfrozen since
+        (fastai's `fine_tune`) needs a new one. The old wrapper's gradient hooks are removed. Every
+        rank calls it at the same point (DDP's construction is collective)."""
+        if not self.active:
+            return parts
+        old = parts.model
+        inner = old.module if isinstance(old, nn.parallel.DistributedDataParallel) else old
+        if isinstance(old, nn.parallel.DistributedDataParallel):
+            old.reducer._remove_autograd_hooks()  # (its hooks would all-reduce a second time)
+        return replace(parts, model=self._ddp(inner, self._device()))
 
     def _device(self) -> torch.device:
         return training_device(self.learn, self.cuda_id, self.backend)

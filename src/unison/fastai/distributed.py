@@ -16,6 +16,7 @@ from unison.distributed.strategy import ParallelConfig
 from unison.fastai.bridge import UnisonBridge
 from unison.fastai.mixing import GlobalBatchMixing
 from unison.fastai.progress import use_launch_progress
+from unison.fastai.trainable import TrainableSync
 
 __all__ = ["detach_distributed", "distrib_ctx", "get_bridge", "to_distributed"]
 
@@ -45,7 +46,9 @@ def to_distributed(
     bridge = UnisonBridge(learn, config, checkpoint_every, resume)
     # (MixUp and CutMix mix the global batch, with draws one process makes: unison.fastai.mixing)
     bridge.mixing = GlobalBatchMixing(bridge.host.collective)
-    learn.add_cbs([bridge, bridge.after_recorder, bridge.mixing])
+    # (freeze / unfreeze / fine_tune: DDP wrapped again over the parameters that train now)
+    bridge.trainable = TrainableSync(bridge)
+    learn.add_cbs([bridge, bridge.after_recorder, bridge.mixing, bridge.trainable])
     if bridge.world_size > 1:
         # fastai's own gathers read WORLD_SIZE; the bridge hands fastai every rank's rows already.
         bridge.saved_world_size = set_world_size_env("1")
@@ -66,7 +69,7 @@ def detach_distributed(learn: Any) -> Any:
     try:
         bridge.restore()
     finally:
-        learn.remove_cbs([bridge, bridge.after_recorder, bridge.mixing])
+        learn.remove_cbs([bridge, bridge.after_recorder, bridge.mixing, bridge.trainable])
         getattr(bridge, "restore_progress", lambda: None)()
         if distributed:
             set_world_size_env(getattr(bridge, "saved_world_size", None))

@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The vision tier's environment (see $(VSTAMP) below)
+VVENV  := .venv-vision
+VPY    := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.installed
 
 .PHONY: install slurm-deps demo test lint typecheck docs bench gpu-check clean
 
@@ -35,9 +39,6 @@ install: $(STAMP) $(VSTAMP)
 # more to import per process, and the main suite starts hundreds of processes, so only the vision
 # tier pays it. The same torch release as the pin; the local wheel folder is left out so that pip
 # takes PyPI's build instead of the CPU file (`2.13.0+cpu` sorts above `2.13.0`).
-VVENV  := .venv-vision
-VPY    := $(VVENV)/bin/python
-VSTAMP := $(VVENV)/.installed
 $(VSTAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VVENV)
 	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(VPY) -m pip install -q \

@@ -68,3 +68,20 @@ def test_the_rank_that_stopped_is_named_after_the_group_was_destroyed(tmp_path):
     out = [communicate_or_report(p, 60)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], out
     assert out[0].startswith("diagnosis: 1 rank 1 left the training early"), out[0]
+
+
+def test_dropout_that_drops_is_named_on_several_processes_only():
+    import warnings
+
+    from torch import nn
+
+    from unison.distributed.joining import RankDrawnDropoutWarning, warn_rank_drawn_dropout
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.Dropout(0.0), nn.Sequential(nn.Dropout2d(0.25)))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert warn_rank_drawn_dropout(model, 1) == ["2.0"]  # one process: its own stream is the run's
+        assert warn_rank_drawn_dropout(nn.Sequential(nn.Dropout(0.0)), 3) == []
+        assert warn_rank_drawn_dropout(model, 2) == ["2.0"]
+    assert [type(w.message) for w in said] == [RankDrawnDropoutWarning]
+    assert "dropout (2.0, p=0.25)" in str(said[0].message) and "2 processes" in str(said[0].message)

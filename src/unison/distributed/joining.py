@@ -13,11 +13,14 @@ do alike when they enter and while they train.
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from unison.data.fingerprint import dataset_fingerprint, fingerprint_positions
 from unison.data.loader import shard_problem
@@ -54,7 +57,40 @@ def make_collective(learn: LearnerView, device: torch.device, check_data: bool =
     refuse_unshardable(learn, dist.get_world_size())
     collective = Collective(dist.group.WORLD, device=device if dist.get_backend() == "nccl" else None)
     check_loaders_agree(learn, collective, check_data)
+    if collective.is_main:
+        warn_rank_drawn_dropout(learn.raw_model, collective.world_size)
     return collective
+
+
+class RankDrawnDropoutWarning(UserWarning):
+    """The model has dropout: each rank draws its masks from its own stream, so W processes end on
+    weights of their own (the same on every rank), not one process's."""
+
+
+def warn_rank_drawn_dropout(model: nn.Module, world_size: int) -> list[str]:
+    """Warn, naming the first, where `model` has dropout layers that drop (p > 0) on `world_size` > 1
+    processes; return their names. Dropout's masks are drawn per rank, not by the row's position.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as said:
+    ...     warnings.simplefilter("always")
+    ...     warn_rank_drawn_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)), 2)
+    ['1']
+    >>> str(said[0].message)[:60]
+    "the model's dropout (1, p=0.5) draws its masks on each rank "
+    """
+    drops = [(name, m) for name, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
+    if drops and world_size > 1:
+        name, first = drops[0]
+        warnings.warn(
+            f"the model's dropout ({name}, p={first.p}) draws its masks on each rank from the rank's own "
+            f"generator: {world_size} processes train to weights of their own (the same on every rank), "
+            "not one process's at the global batch; set p=0 (fastai: ps=0) where the run must equal one "
+            "process's",
+            RankDrawnDropoutWarning,
+            stacklevel=2,
+        )
+    return [name for name, _ in drops]
 
 
 def refuse_unshardable(learn: LearnerView, world_size: int) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from unison.data.batch import batch_size_of, split_batch, take_rows, to_device
 from unison.data.ranked import is_rank_sharded
 from unison.data.stream import loader_length
-from unison.distributed.joining import check_loaders_agree
+from unison.distributed.joining import check_loaders_agree, trainable_set
 from unison.distributed.strategy import ParallelConfig, Strategy, VotedSteps, make_strategy
 from unison.distributed.watchdog import is_peer_failure
 from unison.loop_state import BatchState, StartPoint, TrainingParts
@@ -43,6 +43,7 @@ __all__ = [
     "commit_step",
     "detach_parallel",
     "detach_strategy",
+    "follow_trainable",
     "name_stalled_rank",
     "optimizer_step",
     "prepare_batch",
@@ -186,6 +187,24 @@ def shard_loader(
     return shards.get(dl, pad, c, host.epoch, host.data_seed, steps_per_epoch, split)
 
 
+def follow_trainable(host: EngineHost) -> None:
+    """A model frozen or unfrozen since its strategy wrapped it (fine-tuning) is wrapped again: DDP
+    synchronises the gradients of the parameters that required one when it wrapped them, and no
+    others, so a layer unfrozen later would train on each rank's own gradient. A strategy that
+    cannot wrap again (FSDP2) refuses the change in one line."""
+    strategy = host.strategy
+    built = getattr(strategy, "trainable", None)
+    if built is None or trainable_set(host.raw_model) == built:
+        return
+    rewrap = getattr(strategy, "rewrap", None)
+    if rewrap is None:
+        raise ValueError(
+            f"the parameters that require a gradient changed since {strategy.kind} wrapped the model "
+            "(a layer frozen or unfrozen inside distrib_ctx): set requires_grad before entering it"
+        )
+    use_parts(host, rewrap(training_parts(host)))
+
+
 def begin_pass(
     host: EngineHost, dl: Any, training: bool, steps_per_epoch: int | None = None, split: str = "exact"
 ) -> int:
@@ -198,6 +217,7 @@ def begin_pass(
     host.n_iter = loader_length(host.dl) or 0
     if not training:
         return 0
+    follow_trainable(host)
     host.exact_loss.start_epoch(getattr(host.dl, "batch_size", None))
     start = host.start_iter if host.epoch == host.start_epoch else 0
     host.start_iter = 0

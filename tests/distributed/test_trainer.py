@@ -410,3 +410,33 @@ def test_adamw_turns_float_noise_into_steps_for_a_bias_before_batchnorm(pool2):
         assert outputs < 1e-5  # BatchNorm cancels the bias: the same function
         assert diff["0.bias"] > 1e-4 and reorder_diff["0.bias"] > 1e-4  # noise became steps...
         assert diff["0.bias"] < 10 * reorder_diff["0.bias"]  # ...no more than reordering one batch does
+
+
+def _frozen_then_unfrozen():
+    """A first layer frozen when DDP wraps the model, unfrozen between fits (a hand-written fine-tune)."""
+    world = dist.get_world_size()
+
+    def fine_tune(learn, ctx):
+        learn.model[0].requires_grad_(False)
+        with contextlib.redirect_stdout(io.StringIO()), ctx():
+            learn.fit(1)
+            learn.raw_model[0].requires_grad_(True)
+            learn.fit(1)
+
+    single = _learner(_mlp, bs=8 * world)
+    fine_tune(single, contextlib.nullcontext)
+    multi = _learner(_mlp, bs=8)
+    fine_tune(multi, multi.distrib_ctx)
+    a, b = _weights(single), _weights(multi)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, b)
+    ranks_apart = max(float((gathered[0][k] - g[k]).abs().max()) for g in gathered for k in b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a), ranks_apart
+
+
+def test_a_layer_unfrozen_inside_distrib_ctx_trains_as_on_one_process(pool2):
+    # DDP synchronises the gradients of the parameters that trained when it wrapped the model: the
+    # layer unfrozen later would train on each rank's own gradient unless the model is wrapped again.
+    for from_one, ranks_apart in pool2.run(_frozen_then_unfrozen):
+        assert ranks_apart == 0.0
+        assert from_one < 1e-5

@@ -62,6 +62,16 @@ def make_collective(learn: LearnerView, device: torch.device, check_data: bool =
     return collective
 
 
+def trainable_set(model: nn.Module) -> tuple[bool, ...]:
+    """Which of `model`'s parameters require a gradient, in order: what a wrapper that synchronises
+    gradients (DDP, FSDP2) was built for.
+
+    >>> trainable_set(nn.Linear(2, 2).requires_grad_(False))
+    (False, False)
+    """
+    return tuple(p.requires_grad for p in model.parameters())
+
+
 class RankDrawnDropoutWarning(UserWarning):
     """The model has dropout: each rank draws its masks from its own stream, so W processes end on
     weights of their own (the same on every rank), not one process's."""

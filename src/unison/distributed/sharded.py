@@ -39,7 +39,13 @@ from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
 from unison.distributed.group import setup_distrib, teardown_distrib
-from unison.distributed.joining import RankMonitor, make_collective, shared_seed, training_device
+from unison.distributed.joining import (
+    RankMonitor,
+    make_collective,
+    shared_seed,
+    trainable_set,
+    training_device,
+)
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
@@ -249,6 +255,8 @@ class ShardedTrainer(Callback):
         self._sync = True
         self._failed = False
         self._twin: nn.Module | None = None
+        #: Which parameters required a gradient when they were sharded (None: not sharded).
+        self.trainable: tuple[bool, ...] | None = None
 
     @property
     def checkpoint_format(self) -> str:
@@ -316,6 +324,7 @@ class ShardedTrainer(Callback):
         if self.find_unused_parameters:
             twin.set_reduce_scatter_unused_params(True)
         self._twin = twin
+        self.trainable = trainable_set(twin)
         # The shards are copies: free the user's full weights while the twin trains.
         for param in original.parameters():
             param.data = param.data.new_empty(0)
@@ -336,7 +345,7 @@ class ShardedTrainer(Callback):
             self.monitor.stop()
             self.monitor = None
         before, opt = self._before, self.learn.opt
-        twin, self._twin = self._twin, None
+        twin, self._twin, self.trainable = self._twin, None, None
         if twin is not None:
             if not self._sync:
                 cast(FSDPModule, twin).set_requires_gradient_sync(True)

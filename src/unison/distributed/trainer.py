@@ -22,7 +22,13 @@ from torch import nn
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.group import setup_distrib, teardown_distrib
-from unison.distributed.joining import RankMonitor, make_collective, shared_seed, training_device
+from unison.distributed.joining import (
+    RankMonitor,
+    make_collective,
+    shared_seed,
+    trainable_set,
+    training_device,
+)
 from unison.distributed.sync_bn import buffers_synchronised, convert_sync_batchnorm, revert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
@@ -108,6 +114,8 @@ class DistributedTrainer(Callback):
         self.monitor: RankMonitor | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
         self._kwargs: dict[str, Any] = {}  # DDP's arguments, as `setup` made them
+        #: Which parameters required a gradient when DDP wrapped the model (None: not wrapped).
+        self.trainable: tuple[bool, ...] | None = None
 
     def setup(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
@@ -152,7 +160,8 @@ class DistributedTrainer(Callback):
     def _ddp(self, model: nn.Module, device: torch.device) -> nn.Module:
         """`model` in DDP over the parameters that require a gradient now (none: `model` itself: a model
         with nothing to train needs no DDP, only sharded data)."""
-        if not any(p.requires_grad for p in model.parameters()):
+        self.trainable = trainable_set(model)
+        if not any(self.trainable):
             return model
         kwargs = dict(self._kwargs)
         device_ids = [device.index] if device.type == "cuda" else None
@@ -240,6 +249,7 @@ class DistributedTrainer(Callback):
         """Undo `setup`: the model unwrapped (BatchNorm reverted in place: the user's model object is
         kept), the collective as it was, the group closed where setup made it."""
         self._leave_no_sync()
+        self.trainable = None
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from unison.data import DistributedDL, permutation
-from unison.rng import mix_seed as _mix
 from unison.data.permutation import ScalableRandomSampler
+from unison.rng import mix_seed as _mix
 
 N, BS, SEED = 103, 4, 11  # 103 items: the last global batch of 2 ranks is short and uneven
 

@@ -40,6 +40,7 @@ parser.add_argument("--api", choices=("run", "learner"), default="run")
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--channels-last", action="store_true")
 parser.add_argument("--compile", action="store_true")
+parser.add_argument("--model", choices=("resnet18", "vit"), default="resnet18", help="vit: a small timm ViT")
 args = parser.parse_args()
 EPOCHS, GLOBAL_STEPS = 2, 2 * 4  # 48 images, a global batch of 12
 
@@ -52,7 +53,13 @@ train_dl = DataLoader(
     generator=torch.Generator().manual_seed(1),
     num_workers=args.workers,
 )
-model = resnet18(num_classes=4).double()
+if args.model == "vit":  # timm's VisionTransformer, built from a config (nothing downloaded)
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=24, patch_size=8, num_classes=4, embed_dim=32, depth=2, num_heads=2)
+    model = model.double()
+else:
+    model = resnet18(num_classes=4).double()
 if args.channels_last:
     model = model.to(memory_format=torch.channels_last)
 

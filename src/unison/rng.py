@@ -34,22 +34,18 @@ def seed_generators(seed: int) -> None:
 
 
 @contextmanager
-def seeded_draws(seed: int, device: torch.device | None = None) -> Iterator[None]:
-    """Inside the block, Python's, NumPy's and torch's CPU generators (and `device`'s, a GPU) start
-    from `seed`; after it, each is where it was before. A random transform run inside draws as a
-    function of `seed` alone, whichever process runs it and whatever that process drew before.
+def generators_kept(device: torch.device | None = None) -> Iterator[None]:
+    """After the block, Python's, NumPy's and torch's CPU generators (and `device`'s, a GPU) are
+    where they were before it, whatever was drawn or seeded inside.
 
-    >>> with seeded_draws(7): a = torch.rand(2), random.random()
-    >>> with seeded_draws(7): b = torch.rand(2), random.random()
-    >>> bool((a[0] == b[0]).all()) and a[1] == b[1]
+    >>> a = torch.get_rng_state()
+    >>> with generators_kept(): _ = torch.rand(3)
+    >>> bool((torch.get_rng_state() == a).all())
     True
     """
     py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     gpu = device if device is not None and device.type == "cuda" else None
     gpu_state = torch.cuda.get_rng_state(gpu) if gpu is not None else None
-    seed_generators(seed)
-    if gpu is not None:
-        torch.cuda.default_generators[gpu.index or 0].manual_seed(seed)
     try:
         yield
     finally:
@@ -58,6 +54,25 @@ def seeded_draws(seed: int, device: torch.device | None = None) -> Iterator[None
         torch.set_rng_state(cpu_state)
         if gpu is not None and gpu_state is not None:
             torch.cuda.set_rng_state(gpu_state, gpu)
+
+
+@contextmanager
+def seeded_draws(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Inside the block, Python's, NumPy's and torch's CPU generators (and `device`'s, a GPU) start
+    from `seed`; after it, each is where it was before (`generators_kept`). A random transform run
+    inside draws as a function of `seed` alone, whichever process runs it and whatever that process
+    drew before.
+
+    >>> with seeded_draws(7): a = torch.rand(2), random.random()
+    >>> with seeded_draws(7): b = torch.rand(2), random.random()
+    >>> bool((a[0] == b[0]).all()) and a[1] == b[1]
+    True
+    """
+    with generators_kept(device):
+        seed_generators(seed)
+        if device is not None and device.type == "cuda":
+            torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+        yield
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

@@ -107,9 +107,14 @@ def test_one_process_on_run_trains_on_the_images_of_the_plain_loop(own_loop_runs
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("runs", ["2", "3, channels_last", "2 workers"])
 def test_an_own_loop_on_w_processes_ends_on_one_process_weights_every_rank_alike(own_loop_runs, runs):
-    got = own_loop_runs[runs]
-    diff = max_diff(got["weights"], own_loop_runs["1"]["weights"])
-    print(f"own loop, {runs!r} against one process: {diff:.2g}")
+    assert_one_process_weights(own_loop_runs, runs, "own loop")
+
+
+def assert_one_process_weights(all_runs: dict, runs: str, what: str) -> None:
+    """Run `runs` ends within TOL of the one-process run, every rank on the same bytes."""
+    got = all_runs[runs]
+    diff = max_diff(got["weights"], all_runs["1"]["weights"])
+    print(f"{what}, {runs!r} against one process: {diff:.2g}")
     assert diff < TOL
     assert len(set(got["digests"])) == 1, got["digests"]
 
@@ -130,8 +135,4 @@ def learner_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("runs", ["2", "3", "2 workers"])
 def test_a_learner_on_w_processes_ends_on_one_process_weights_every_rank_alike(learner_runs, runs):
-    got = learner_runs[runs]
-    diff = max_diff(got["weights"], learner_runs["1"]["weights"])
-    print(f"Learner (a small ViT), {runs!r} against one process: {diff:.2g}")
-    assert diff < TOL
-    assert len(set(got["digests"])) == 1, got["digests"]
+    assert_one_process_weights(learner_runs, runs, "Learner (a small ViT)")

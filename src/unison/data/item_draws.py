@@ -29,8 +29,7 @@ True
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +37,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from unison.data.held_generators import HeldGenerators
-from unison.rng import mix_seed, seed_generators
+from unison.rng import generators_kept, mix_seed, seed_generators
 
 __all__ = ["SeededItems", "draws_reachable", "item_seed"]
 
@@ -66,19 +65,6 @@ def draws_reachable(dataset: Any) -> bool:
     return not isinstance(dataset, _DRAWLESS)
 
 
-@contextmanager
-def _generators_kept() -> Iterator[None]:
-    """Python's, NumPy's and torch's CPU generators as they were before the block, after it. (Only
-    the CPU generator: seeding torch's would also seed every GPU's, and GPU dropout with it.)"""
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-
-
 class SeededItems(Dataset):
     """`dataset` fetched by `(index, seed)` keys: item `index` is loaded with the generators seeded
     from `seed` (as `seeded_draws(seed)` seeds them), in the main process or a DataLoader worker
@@ -101,7 +87,7 @@ class SeededItems(Dataset):
 
     def __getitems__(self, keys: Sequence[tuple[Any, int]]) -> list[Any]:
         before = self.held.states()
-        with _generators_kept():
+        with generators_kept():
             items = self._fetch_batched(keys) if self._batched else None
             if items is None:
                 items = []

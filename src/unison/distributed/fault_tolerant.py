@@ -63,7 +63,7 @@ from unison.distributed.ft_logs import quiet_torchft, start_line
 from unison.distributed.ft_quorum import QuorumWitness, membership_change
 from unison.distributed.ft_reduce import ReplicaGroupLostError, StepVector, group_sum
 from unison.distributed.ft_rows import RowLoads, Share, Split, rows_of
-from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.group import leave_group, setup_distrib
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, REPLICA_ENV
 from unison.events import Callback
@@ -232,11 +232,8 @@ class FaultTolerantTrainer(Callback):
         return None
 
     def leave(self) -> None:
-        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
-        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
-        if self.created_group:
-            teardown_distrib()
-            self.created_group = False
+        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
+        self.created_group = leave_group(self.created_group)
 
     def restore(self) -> TrainingParts:
         self.active = False

@@ -188,6 +188,19 @@ def teardown_distrib() -> None:
     _created_here = False
 
 
+def leave_group(created: bool) -> bool:
+    """A strategy's `leave()`: leave the default group where it made it (`created`), once the host
+    let go of the wrapped model (a DDP wrapper freed after its group hangs in teardown,
+    pytorch/pytorch#56297). Returns False: the strategy no longer holds a group it made.
+
+    >>> leave_group(False)
+    False
+    """
+    if created:
+        teardown_distrib()
+    return False
+
+
 def destroy_group(group: dist.ProcessGroup | None = None) -> None:
     """`dist.destroy_process_group(group)`, after a pause that lets gloo's threads settle.
 

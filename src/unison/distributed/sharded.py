@@ -38,7 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
-from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.group import leave_group, setup_distrib
 from unison.distributed.joining import (
     RankMonitor,
     make_collective,
@@ -333,11 +333,8 @@ class ShardedTrainer(Callback):
         return TrainingParts(twin, opt, collective, shared_seed(collective, parts.data_seed))
 
     def leave(self) -> None:
-        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
-        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
-        if self.created_group:
-            teardown_distrib()
-            self.created_group = False
+        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
+        self.created_group = leave_group(self.created_group)
 
     def restore(self) -> TrainingParts:
         """Gather the trained weights back into the user's plain model; drop the sharded optimizer."""

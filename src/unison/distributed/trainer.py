@@ -21,7 +21,7 @@ from torch import nn
 
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
-from unison.distributed.group import setup_distrib, teardown_distrib
+from unison.distributed.group import leave_group, setup_distrib
 from unison.distributed.joining import (
     RankMonitor,
     make_collective,
@@ -239,11 +239,8 @@ class DistributedTrainer(Callback):
             self._no_sync = None
 
     def leave(self) -> None:
-        """Leave the process group where `setup` made it (after the host let go of the wrapped model:
-        a DDP wrapper freed after its group hangs in teardown, pytorch/pytorch#56297)."""
-        if self.created_group:
-            teardown_distrib()
-            self.created_group = False
+        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
+        self.created_group = leave_group(self.created_group)
 
     def restore(self) -> TrainingParts:
         """Undo `setup`: the model unwrapped (BatchNorm reverted in place: the user's model object is

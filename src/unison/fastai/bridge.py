@@ -57,6 +57,7 @@ from unison.fastai.state import (
     rng_list,
     user_callbacks,
 )
+from unison.loop_state import BatchState
 from unison.losses import zero_loss
 from unison.rng import get_rng_state, set_rng_state
 from unison.run_host import RunHost
@@ -347,17 +348,13 @@ class UnisonBridge(fastai_core.Callback):
         learn, host = self.learn, self.host
         if learn.training:
             learn.iter += self.iter_offset  # (a resumed epoch's batches keep their own numbers)
-        real = self._real_rows()
-        host.iter, host.training = learn.iter, learn.training
-        host._empty_share = real == 0
-        host._padded_xb = learn.xb
+        real, padded = self._real_rows(), learn.xb
         if learn.training and real is not None and real < batch_size_of(learn.xb):
             # Training only: padding must not enter BatchNorm's statistics nor the loss. (An evaluation
             # batch runs whole; its padded rows are dropped from the outputs before anything scores them.)
             learn.xb, learn.yb = take_rows(learn.xb, real), take_rows(learn.yb, real)
-        host.xb, host.yb = learn.xb, learn.yb
-        host.pred = host.loss = host.loss_grad = None
-        host.loss_count = 0.0
+        host.iter, host.training = learn.iter, learn.training
+        host.batch = BatchState(learn.xb, learn.yb, padded, real == 0)
         if learn.training and self.accumulation is not None:
             host.grad_sync = self.accumulation.before_batch(learn.dl.global_rows(learn.iter))
         self.fire("before_batch")

@@ -23,7 +23,6 @@ Nothing changes when `UNISON_EXACT_PROBE` is unset.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from unison.data.batch import map_tensors
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 from unison.events import Callback, CancelFitException, CancelTrainException
 
@@ -59,31 +59,21 @@ def attach_if_checking(learn: EngineHost) -> ExactnessProbe | None:
 
 
 def to_float64(obj: Any) -> Any:
-    """`obj` (a tensor or any nesting of tuples, lists and dicts) with floating tensors as float64."""
-    if isinstance(obj, Tensor):
-        return obj.double() if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(to_float64(o) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_float64(o) for o in obj)
-    if isinstance(obj, dict):
-        with contextlib.suppress(Exception):  # dict subclasses (ModelOutput, BatchEncoding) keep their class
-            return type(obj)({k: to_float64(v) for k, v in obj.items()})
-        return {k: to_float64(v) for k, v in obj.items()}
-    return obj
+    """`obj` (a tensor or any nesting of containers, each kept as its class) with floating tensors as
+    float64."""
+    return map_tensors(lambda t: t.double() if t.is_floating_point() else t, obj)
+
+
+def _full(t: Tensor) -> Tensor:
+    """A DTensor (FSDP2) gathered from its shards (every rank calls it); a plain tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 def full_state(learn: LearnerView) -> dict[str, Tensor]:
     """The model's state dict as plain CPU tensors (FSDP2 shards gathered: every rank calls it)."""
-    out: dict[str, Tensor] = {}
-    for name, value in learn.raw_model.state_dict().items():
-        if not isinstance(value, Tensor):
-            continue
-        full = getattr(value, "full_tensor", None)
-        if callable(full):  # a DTensor (FSDP2): gather its shards
-            value = full()
-        out[name] = value.detach().cpu().clone()
-    return out
+    state = learn.raw_model.state_dict().items()
+    return {name: _full(value).detach().cpu().clone() for name, value in state if isinstance(value, Tensor)}
 
 
 def fingerprint(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -107,13 +97,9 @@ def note_gradient_sizes(learn: LearnerView, ratios: dict[str, float]) -> None:
     """
     sizes: dict[str, float] = {}
     for name, param in learn.raw_model.named_parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        full = getattr(grad, "full_tensor", None)
-        if callable(full):  # a DTensor (FSDP2)
-            grad = full()
-        sizes[name] = float(grad.detach().abs().max()) if grad.numel() else 0.0
+        if param.grad is not None:
+            grad = _full(param.grad)
+            sizes[name] = float(grad.detach().abs().max()) if grad.numel() else 0.0
     largest = max(sizes.values(), default=0.0)
     if not largest > 0:  # no gradient, or NaN: nothing to compare with
         return

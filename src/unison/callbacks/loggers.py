@@ -7,10 +7,23 @@ process and on W (the per-batch losses are the global batch's).
 from __future__ import annotations
 
 import csv
+import importlib
 from pathlib import Path
 from typing import Any
 
 from unison.events import Callback
+
+
+def optional_import(module: str, who: str, extra: str, package: str | None = None) -> Any:
+    """`module`, imported when `who` needs it; if it is missing, an error naming the pip line that
+    installs `package` (default: `extra`, unison's extra of that name)."""
+    package = package or extra
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            f"{who} needs {package}: pip install 'unison[{extra}]' (or pip install {package})"
+        ) from None
 
 
 class CSVLogger(Callback):
@@ -72,15 +85,9 @@ class TensorBoardLogger(Callback):
     def before_fit(self) -> None:
         if not self.learn.collective.is_main:
             return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError(
-                "TensorBoardLogger needs tensorboard: pip install 'unison[tensorboard]' "
-                "(or pip install tensorboard)"
-            ) from None
+        tensorboard = optional_import("torch.utils.tensorboard", "TensorBoardLogger", "tensorboard")
         log_dir = self.log_dir if self.log_dir.is_absolute() else self.learn.path / self.log_dir
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = tensorboard.SummaryWriter(log_dir=str(log_dir))
         self._logged = len(self.learn.recorder.losses)
 
     def after_epoch(self) -> None:

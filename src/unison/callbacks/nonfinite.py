@@ -141,7 +141,7 @@ class NonFiniteCheck(Callback):
 
         learn = self.learn
         # lr_find's sweep diverges on purpose and has its own stop: it is left alone.
-        self._active = not any(isinstance(cb, LRFinder) for cb in learn.cbs)
+        self._active = learn.get_cb(LRFinder) is None
         self.skipped = []
         self._sharded = is_sharded(learn.model)
         # DDP: a rank's own loss enters the check through the reduced gradients (see the module).
@@ -311,11 +311,8 @@ class NonFiniteCheck(Callback):
 
     # ---- validation --------------------------------------------------------------------
     def before_validate(self) -> None:
-        from unison.callbacks.schedule import LRFinder
-
-        learn = self.learn
-        in_sweep = any(isinstance(cb, LRFinder) for cb in learn.cbs)
-        self._checking_valid = learn.score and not in_sweep  # get_preds computes no loss
+        # get_preds computes no loss; outside a fit (validate) no sweep runs: _active is True
+        self._checking_valid = self.learn.score and self._active
         self._valid_losses = []
 
     def after_validate(self) -> None:

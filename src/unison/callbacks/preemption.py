@@ -163,7 +163,7 @@ class Preemption(Callback):
     def before_fit(self) -> None:
         from unison.checkpoint.callback import Checkpoint
 
-        self._ckpt = next((cb for cb in self.learn.cbs if isinstance(cb, Checkpoint)), None)
+        self._ckpt = self.learn.get_cb(Checkpoint)
         self._steps, self._next_check = 0, 1  # optimizer steps of this fit; the first is checked
         self._checked_at, self._since = time.perf_counter(), 0
 
@@ -282,9 +282,9 @@ def handling(learn: Any) -> Iterator[None]:
     """
     from unison.callbacks.schedule import LRFinder
 
-    cb = next((c for c in learn.cbs if isinstance(c, Preemption)), None)
+    cb = learn.get_cb(Preemption)
     # lr_find's sweep is undone when it ends: no checkpoint may hold it, so a signal acts as usual.
-    if cb is None or not cb.signals or any(isinstance(c, LRFinder) for c in learn.cbs):
+    if cb is None or not cb.signals or learn.get_cb(LRFinder) is not None:
         yield
         return
     if threading.current_thread() is not threading.main_thread():

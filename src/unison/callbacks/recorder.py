@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from unison.callbacks.loggers import optional_import
 from unison.events import Callback
 from unison.metrics import WeightedMean, update_metric
 
@@ -124,11 +125,7 @@ class Recorder(Callback):
             if collective.active:
                 collective.sum(torch.zeros(2, 0))  # every rank reduces, even one with no batch
             return resumed
-        losses = torch.stack(fresh).double().cpu()
-        counts = torch.tensor(sizes, dtype=torch.float64)
-        both = collective.sum(torch.stack([losses * counts, counts]))
-        means = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), losses)
-        return resumed + means.tolist()
+        return resumed + global_means(collective, fresh, sizes)
 
     def _train_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far.
@@ -260,13 +257,7 @@ class Recorder(Callback):
         """Write a PNG of the training loss per batch (and validation loss per epoch); rank 0 only."""
         if not self.learn.collective.is_main:
             return None
-        try:
-            import matplotlib
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError(
-                "plot_loss needs matplotlib: pip install 'unison[examples]' (or pip install matplotlib)"
-            ) from None
-
+        matplotlib = optional_import("matplotlib", "plot_loss", "examples", "matplotlib")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -301,8 +292,20 @@ def _global_means(ranks: list[dict[str, Any]]) -> list[float]:
         return []
     losses = torch.stack([r["losses"][:n].double() for r in ranks])
     counts = torch.stack([r["sizes"][:n].double() for r in ranks])
-    total, count = (losses * counts).sum(0), counts.sum(0)
-    return torch.where(count > 0, total / count.clamp(min=1), losses[0]).tolist()
+    return _mean_or_own((losses * counts).sum(0), counts.sum(0), losses[0]).tolist()
+
+
+def global_means(collective: Any, losses: list[torch.Tensor], counts: list[float]) -> list[float]:
+    """Each batch's loss over every rank: the sum of its loss terms / their count (one collective)."""
+    own = torch.stack(losses).double().cpu()
+    sizes = torch.tensor(counts, dtype=torch.float64)
+    both = collective.sum(torch.stack([own * sizes, sizes]))
+    return _mean_or_own(both[0], both[1], own).tolist()
+
+
+def _mean_or_own(total: torch.Tensor, count: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """`total / count`, or this rank's own loss where no rank counted a term."""
+    return torch.where(count > 0, total / count.clamp(min=1), own)
 
 
 def _stack_on_last_device(losses: list[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from unison.callbacks.recorder import global_means
 from unison.checkpoint.components import kept_hyperparameters
 from unison.data.stream import loader_length
 from unison.events import Callback, CancelFitException, CancelValidException
@@ -197,13 +198,8 @@ class LRFinder(Callback):
         learn = self.learn
         if not learn.training or learn.loss is None:
             return
-        collective = learn.collective
-        count = float(learn.loss_count)
-        both = torch.stack(
-            [learn.loss.detach().double().cpu() * count, torch.tensor(count, dtype=torch.float64)]
-        )
-        total, n = collective.sum(both).tolist()  # the global batch's loss, as one process sees it
-        loss = total / n if n > 0 else float(learn.loss)
+        # the global batch's loss, as one process sees it
+        loss = global_means(learn.collective, [learn.loss.detach()], [float(learn.loss_count)])[0]
         self.lrs.append(self._lr)
         self.losses.append(loss)
         self.best = min(self.best, loss)

@@ -19,6 +19,7 @@ class TrackerCallback(Callback):
     """Tracks `monitor` (`valid_loss`, `train_loss` or a metric name) across epochs."""
 
     order = 70  # after the Recorder has the epoch's values
+    best: float
 
     def __init__(
         self,
@@ -32,7 +33,7 @@ class TrackerCallback(Callback):
         self.comp = comp
         self.min_delta = min_delta if comp is operator.gt else -min_delta
         self._worst = math.inf if comp is operator.lt else -math.inf
-        self.best = self._worst
+        vars(self).update(self.fresh_state())
 
     def before_fit(self) -> None:
         names = self.learn.recorder.metric_names[1:-1]
@@ -42,7 +43,11 @@ class TrackerCallback(Callback):
             )
         self.index = names.index(self.monitor)
         if self.fresh_fit():
-            self.best = self._worst
+            vars(self).update(self.fresh_state())
+
+    def fresh_state(self) -> dict[str, Any]:
+        """What a fit from its start tracks from; its names are what a checkpoint keeps (`state_dict`)."""
+        return {"best": self._worst}
 
     def fresh_fit(self) -> bool:
         """A fit from its start tracks afresh; one resumed from a checkpoint keeps the restored state.
@@ -65,10 +70,11 @@ class TrackerCallback(Callback):
         return better
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best}
+        return {name: getattr(self, name) for name in self.fresh_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state["best"]
+        for name, fresh in self.fresh_state().items():
+            setattr(self, name, state.get(name, fresh))  # (a checkpoint written before `name` was kept)
 
 
 class EarlyStopping(TrackerCallback):
@@ -79,6 +85,8 @@ class EarlyStopping(TrackerCallback):
         learn.fit(50, cbs=[EarlyStopping(patience=3)])
     """
 
+    wait: int  # epochs since the last improvement
+
     def __init__(
         self,
         monitor: str = "valid_loss",
@@ -88,12 +96,9 @@ class EarlyStopping(TrackerCallback):
     ):
         super().__init__(monitor, comp, min_delta)
         self.patience = patience
-        self.wait = 0
 
-    def before_fit(self) -> None:
-        super().before_fit()
-        if self.fresh_fit():
-            self.wait = 0
+    def fresh_state(self) -> dict[str, Any]:
+        return {**super().fresh_state(), "wait": 0}
 
     def after_epoch(self) -> None:
         if not self.tracking():
@@ -111,12 +116,6 @@ class EarlyStopping(TrackerCallback):
                 )
             raise CancelFitException()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "wait": self.wait}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.wait = state["best"], state["wait"]
-
 
 class SaveModelCallback(TrackerCallback):
     """Save the model whenever `monitor` improves (rank 0 writes), and load the best at the end.
@@ -125,6 +124,8 @@ class SaveModelCallback(TrackerCallback):
 
         learn.fit(10, cbs=[SaveModelCallback(monitor="accuracy", fname="best")])
     """
+
+    saved: bool  # whether a best model was saved (and so is loaded at the end)
 
     def __init__(
         self,
@@ -137,23 +138,14 @@ class SaveModelCallback(TrackerCallback):
     ):
         super().__init__(monitor, comp, min_delta)
         self.fname, self.with_opt, self.load_best = fname, with_opt, load_best
-        self.saved = False
 
-    def before_fit(self) -> None:
-        super().before_fit()
-        if self.fresh_fit():
-            self.saved = False
+    def fresh_state(self) -> dict[str, Any]:
+        return {**super().fresh_state(), "saved": False}
 
     def after_epoch(self) -> None:
         if self.tracking() and self.improved():
             self.learn.save(self.fname, with_opt=self.with_opt)
             self.saved = True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "saved": self.saved}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.saved = state["best"], state.get("saved", False)
 
     def after_fit(self) -> None:
         if self.load_best and self.saved and self.tracking():

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from unison.callbacks.loggers import optional_import
 from unison.events import Callback
 
 __all__ = ["MLflowLogger", "TrackerLogger", "WandbLogger"]
@@ -203,17 +204,6 @@ class MLflowLogger(TrackerLogger):
         )
 
 
-def _needs(module: str, extra: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            f"this logger needs {extra}: pip install 'unison[{extra}]' (or pip install {extra})"
-        ) from None
-
-
 class _WandbRun:
     """A W&B run driven through the `wandb` package (online, or offline to local files)."""
 
@@ -226,7 +216,7 @@ class _WandbRun:
         self._run: Any = None
 
     def start(self, run_id: str | None, config: dict[str, Any]) -> tuple[str, int | None]:
-        wandb = _needs("wandb", "wandb")
+        wandb = optional_import("wandb", "this logger", "wandb")
         kwargs = dict(self.init_kwargs)
         if "settings" not in kwargs and "x_transaction_log_flush_interval" in wandb.Settings.model_fields:
             kwargs["settings"] = wandb.Settings(x_transaction_log_flush_interval=self.FLUSH_S)
@@ -243,7 +233,7 @@ class _WandbRun:
             self._run.log(values, step=step, commit=True)  # committed now: no row left open at a kill
 
     def attach(self, path: Path) -> None:
-        wandb = _needs("wandb", "wandb")
+        wandb = optional_import("wandb", "this logger", "wandb")
         artifact = wandb.Artifact(f"checkpoint-{self._run.id}", type="model")
         artifact.add_dir(str(path)) if path.is_dir() else artifact.add_file(str(path))
         self._run.log_artifact(artifact)
@@ -270,7 +260,7 @@ class _MlflowRun:
         self.run_id: str | None = None
 
     def start(self, run_id: str | None, config: dict[str, Any]) -> tuple[str, int | None]:
-        tracking = _needs("mlflow.tracking", "mlflow")
+        tracking = optional_import("mlflow.tracking", "this logger", "mlflow")
         self._client = client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         if run_id is not None:
             client.get_run(run_id)  # raises, naming the run, when the store does not have it
@@ -283,12 +273,12 @@ class _MlflowRun:
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
         params = [(key, str(value)[:6000]) for key, value in config.items()]
-        entities = _needs("mlflow.entities", "mlflow")
+        entities = optional_import("mlflow.entities", "this logger", "mlflow")
         client.log_batch(self.run_id, params=[entities.Param(k, v) for k, v in params])
         return self.run_id, None
 
     def log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
-        entities = _needs("mlflow.entities", "mlflow")
+        entities = optional_import("mlflow.entities", "this logger", "mlflow")
         now = int(time.time() * 1000)
         metrics = [entities.Metric(k, v, now, step) for step, values in rows for k, v in values.items()]
         # "train/loss" last in each step's batch: a kill inside log_batch never reads as "logged"

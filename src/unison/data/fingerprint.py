@@ -9,15 +9,15 @@ last and evenly between), read under a fixed random seed so that random augmenta
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import pickle
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
+
+from unison.rng import seeded_draws
 
 __all__ = ["dataset_fingerprint", "fingerprint_positions", "item_print"]
 
@@ -52,7 +52,7 @@ def dataset_fingerprint(dataset: Any, samples: int = 5) -> str | None:
     n = len(dataset)
     digest = hashlib.sha256(f"len={n}".encode())
     try:
-        with _fixed_rng():
+        with seeded_draws(0):
             for i in fingerprint_positions(n, samples):
                 _feed(digest, dataset[i])
     except Exception:
@@ -109,26 +109,3 @@ def _member_digest(item: Any) -> bytes:
     digest = hashlib.blake2b(digest_size=8)
     _feed(digest, item)
     return digest.digest()
-
-
-@contextlib.contextmanager
-def _fixed_rng(seed: int = 0) -> Iterator[None]:
-    """Seed Python, NumPy and torch (CPU) with `seed` for the block; put their states back afterwards."""
-    py_state = random.getstate()
-    np_random: Any = None
-    with contextlib.suppress(ImportError):
-        import numpy
-
-        np_random = numpy.random
-    np_state = np_random.get_state() if np_random is not None else None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        if np_random is not None:
-            np_random.seed(seed % 2**32)
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            if np_random is not None:
-                np_random.set_state(np_state)

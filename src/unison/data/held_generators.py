@@ -18,17 +18,19 @@ ValueError: unison: dataset.rng, a numpy Generator the dataset holds, drew while
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["HeldGenerators"]
+__all__ = ["PROCESS_GENERATORS", "HeldGenerators", "same_states", "states"]
 
 _GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _DEPTH = 5  # how far into attributes, lists and dicts the search goes
-_SHARED = (id(random._inst), id(np.random.mtrand._rand), id(torch.default_generator))  # seeded per item
+# The process's own generators, which unison seeds per item (so the search skips them).
+PROCESS_GENERATORS = (random._inst, np.random.mtrand._rand, torch.default_generator)
+_SHARED = tuple(id(generator) for generator in PROCESS_GENERATORS)
 
 
 def _held(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
@@ -61,6 +63,15 @@ def _state(generator: Any) -> Any:
     return generator.getstate()
 
 
+def states(generators: Iterable[Any]) -> list[Any]:
+    """The state of each of `generators` (torch's, NumPy's or Python's), to compare with `same_states`."""
+    return [_state(generator) for generator in generators]
+
+
+def same_states(before: list[Any], after: list[Any]) -> bool:
+    return all(map(_same, before, after))
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
@@ -79,7 +90,7 @@ class HeldGenerators:
         self.found = list(_held(dataset, "dataset", 0, set()))
 
     def states(self) -> list[Any]:
-        return [_state(generator) for _, generator in self.found]
+        return states(generator for _, generator in self.found)
 
     def refuse_moved(self, before: list[Any]) -> None:
         """Raise where a held generator's state differs from `before` (what `states()` gave)."""

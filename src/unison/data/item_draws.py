@@ -28,7 +28,6 @@ True
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from unison.data.held_generators import HeldGenerators
+from unison.data.held_generators import PROCESS_GENERATORS, HeldGenerators, same_states, states
 from unison.rng import generators_kept, mix_seed, seed_generators
 
 __all__ = ["SeededItems", "draws_reachable", "item_seed"]
@@ -101,16 +100,9 @@ class SeededItems(Dataset):
         """The dataset's own batched fetch of `keys`, or None where it drew at random (then never again)."""
         seed = keys[0][1] if keys else 0
         seed_generators(seed)
-        seeded = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        seeded = states(PROCESS_GENERATORS)
         items = list(self.dataset.__getitems__([index for index, _ in keys]))
-        after = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        if _same_states(seeded, after):
+        if same_states(seeded, states(PROCESS_GENERATORS)):
             return items
         self._batched = False
         return None
-
-
-def _same_states(a: tuple[Any, Any, torch.Tensor], b: tuple[Any, Any, torch.Tensor]) -> bool:
-    (py_a, np_a, torch_a), (py_b, np_b, torch_b) = a, b
-    same_np = np_a[2:] == np_b[2:] and np.array_equal(np_a[1], np_b[1])
-    return py_a == py_b and same_np and torch.equal(torch_a, torch_b)

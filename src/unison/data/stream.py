@@ -41,8 +41,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from unison.data.batch import batch_size_of
-from unison.data.fingerprint import _fixed_rng, item_print
-from unison.rng import mix_seed
+from unison.data.fingerprint import item_print
+from unison.rng import mix_seed, seeded_draws
 
 _END = object()
 SPLITS = ("exact", "by_node")
@@ -178,7 +178,7 @@ class RankStream(IterableDataset):
         items = _as_whole(self.dataset)
         pending = None
         if self.seed is not None:
-            with _fixed_rng(self.seed):  # random augmentations make the same first item everywhere
+            with seeded_draws(self.seed):  # random augmentations make the same first item everywhere
                 first = next(items, _END)
             if first is _END:
                 return

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from unison.data.permutation import PermutedOrder, draw_key
-from unison.data.plan import _fast_order
+from unison.data.plan import draw_order
 
 __all__ = ["DrawnOrder"]
 
@@ -44,6 +44,17 @@ def _copy(state: Tensor | None) -> torch.Generator | None:
     return generator
 
 
+def _states(
+    loader_gen: torch.Generator | None, sampler_gen: torch.Generator | None, same: bool
+) -> dict[str, Any]:
+    """Where the loader's, the sampler's (`same`: the loader's own) and the global generator stand."""
+    return {
+        "loader": loader_gen.get_state() if loader_gen is not None else None,
+        "sampler": _SAME if same else (sampler_gen.get_state() if sampler_gen is not None else None),
+        "global": torch.get_rng_state(),
+    }
+
+
 class DrawnOrder:
     """The orders of a `DataLoader`'s epochs as the loader itself would draw them (module docstring)."""
 
@@ -51,13 +62,8 @@ class DrawnOrder:
         loader_gen = dl.generator
         sampler = dl.batch_sampler if dl.batch_size is None else dl.sampler
         sampler_gen = getattr(sampler, "generator", None)
-        self._start = {
-            "loader": loader_gen.get_state() if loader_gen is not None else None,
-            "sampler": _SAME
-            if sampler_gen is not None and sampler_gen is loader_gen
-            else (sampler_gen.get_state() if sampler_gen is not None else None),
-            "global": torch.get_rng_state(),
-        }
+        same = sampler_gen is not None and sampler_gen is loader_gen  # DataLoader(shuffle=True, generator=g)
+        self._start = _states(loader_gen, sampler_gen, same)
         self._starts: list[dict[str, Any]] = [self._start]  # the states at the start of epoch k
         self._last: tuple[int, Any] | None = None
 
@@ -89,42 +95,11 @@ class DrawnOrder:
         """One epoch from `state`: (its order, the states after it)."""
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        has_gen = hasattr(sampler, "generator")
-        saved = sampler.generator if has_gen else None
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state["global"])
             loader_gen = _copy(state["loader"])
-            own = loader_gen if state["sampler"] == _SAME else _copy(state["sampler"])
+            same = state["sampler"] == _SAME
+            own = loader_gen if same else _copy(state["sampler"])
             draw_key(loader_gen)  # DataLoader.__iter__: the workers' base seed, from the loader's generator
-            try:
-                if has_gen:
-                    sampler.generator = own
-                order: Any = None
-                if scalable:
-                    order = PermutedOrder(len(sampler), draw_key(own))
-                elif type(sampler) is RandomSampler:
-                    # RandomSampler without a generator seeds a fresh one from the global generator
-                    generator = own if own is not None else torch.Generator().manual_seed(draw_key(None))
-                    order = _fast_order(sampler, generator)
-                    n = len(sampler.data_source)
-                    if (
-                        order is not None and n and sampler.num_samples % n == 0
-                    ):  # run to its end: one more draw
-                        torch.randperm(n, generator=generator)
-                else:  # a SequentialSampler: the identity, nothing drawn
-                    order = _fast_order(sampler, torch.Generator())
-                if order is None:
-                    order = list(sampler)
-                    if all(isinstance(i, int) for i in order):
-                        order = torch.tensor(order, dtype=torch.long)
-            finally:
-                if has_gen:
-                    sampler.generator = saved
-            after = {
-                "loader": loader_gen.get_state() if loader_gen is not None else None,
-                "sampler": _SAME
-                if state["sampler"] == _SAME
-                else (own.get_state() if own is not None else None),
-                "global": torch.get_rng_state(),
-            }
-        return order, after
+            order = draw_order(sampler, own, scalable, run_to_end=True)
+            return order, _states(loader_gen, own, same)

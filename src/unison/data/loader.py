@@ -31,7 +31,7 @@ from unison.data.drawn import DrawnOrder
 from unison.data.fetch import SeededItems, _TensorBatches, fetched_through
 from unison.data.item_draws import item_seed
 from unison.data.permutation import PermutedOrder, pick_order
-from unison.data.plan import PositionPlan, RankPlan, dealt_plan, sampler_order, strided_plan
+from unison.data.plan import PositionPlan, RankPlan, as_order, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import is_rank_sharded
 from unison.rng import mix_seed
 
@@ -261,9 +261,7 @@ class DistributedDL:
 
     def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any] | PermutedOrder:
         if self.joined:
-            joined = [i for batch in self._dealt_batches(epoch) for i in batch]
-            ints = all(isinstance(i, int) for i in joined)
-            return torch.tensor(joined, dtype=torch.long) if ints else joined
+            return as_order([i for batch in self._dealt_batches(epoch) for i in batch])
         if self.drawn is not None:
             return self.drawn.order(self.sampler, epoch, self.order == "scalable")
         return sampler_order(self.sampler, mix_seed(self.seed, epoch), epoch, self.order == "scalable")

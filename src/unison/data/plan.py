@@ -23,21 +23,55 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from unison.data.permutation import CHUNK_ITEMS, PermutedOrder, draw_key
 
 
-def _fast_order(sampler: Any, generator: torch.Generator) -> Tensor | PermutedOrder | None:
+def _fast_order(
+    sampler: Any, generator: torch.Generator | None, run_to_end: bool = False
+) -> Tensor | PermutedOrder | None:
     """The order `list(sampler)` gives for torch's plain samplers (else None): a `SequentialSampler`'s
-    as the identity `PermutedOrder` (nothing of size n is made), a `RandomSampler`'s as one tensor."""
+    as the identity `PermutedOrder` (nothing of size n is made), a `RandomSampler`'s as one tensor.
+    `run_to_end`: also the draw `RandomSampler.__iter__` makes after the last whole permutation (it
+    changes no item, only where `generator` stands after)."""
     if type(sampler) is SequentialSampler:
         return PermutedOrder.identity(len(sampler.data_source))
     if type(sampler) is RandomSampler and not sampler.replacement:
+        if generator is None:  # as RandomSampler.__iter__ does without one: seeded from the global generator
+            generator = torch.Generator().manual_seed(draw_key(None))
         n, wanted = len(sampler.data_source), sampler.num_samples
         if n == 0:
             return torch.zeros(0, dtype=torch.long)
         # RandomSampler.__iter__: whole permutations, then the head of one more (same generator).
         parts = [torch.randperm(n, generator=generator) for _ in range(wanted // n)]
-        if wanted % n:
+        if wanted % n or run_to_end:
             parts.append(torch.randperm(n, generator=generator)[: wanted % n])
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return torch.cat(parts)  # RandomSampler refuses num_samples < 1: never empty
     return None
+
+
+def as_order(items: list[Any]) -> Tensor | list[Any]:
+    """`items` as an int64 tensor when they are ints (dataset indices), else the list itself."""
+    if all(isinstance(i, int) for i in items):
+        return torch.tensor(items, dtype=torch.long)
+    return items
+
+
+def draw_order(
+    sampler: Any, generator: torch.Generator | None, scalable: bool = False, run_to_end: bool = False
+) -> Tensor | list[Any] | PermutedOrder:
+    """What `sampler` yields drawing from `generator` (its `generator` for the draw, then restored;
+    None: as it draws without one, from the global generator, which the caller pins), by `_fast_order`
+    where it can and by iterating it otherwise (`as_order`). With `scalable`, the `PermutedOrder` keyed
+    from `generator`, as a `ScalableRandomSampler` with that generator would yield."""
+    has_gen = hasattr(sampler, "generator")
+    saved = sampler.generator if has_gen else None
+    try:
+        if has_gen:
+            sampler.generator = generator
+        if scalable:
+            return PermutedOrder(len(sampler), draw_key(generator))
+        fast = _fast_order(sampler, generator, run_to_end)
+        return fast if fast is not None else as_order(list(sampler))
+    finally:
+        if has_gen:
+            sampler.generator = saved
 
 
 def sampler_order(
@@ -56,29 +90,11 @@ def sampler_order(
     """
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
-    has_gen = hasattr(sampler, "generator")
-    saved = sampler.generator if has_gen else None
     # Only the CPU generator: torch.manual_seed would also seed every GPU's (which fork_rng(devices=[])
     # does not restore), so GPU dropout would draw the same numbers on every rank.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        try:
-            if has_gen:
-                sampler.generator = generator
-            fast: Tensor | PermutedOrder | None = (
-                PermutedOrder(len(sampler), draw_key(generator)) if scalable else None
-            )
-            fast = _fast_order(sampler, generator) if fast is None else fast
-            order: list[Any] = list(sampler) if fast is None else []
-        finally:
-            if has_gen:
-                sampler.generator = saved
-    if fast is not None:
-        return fast
-    if all(isinstance(i, int) for i in order):
-        return torch.tensor(order, dtype=torch.long)
-    return order
+        return draw_order(sampler, torch.Generator().manual_seed(seed), scalable)
 
 
 class RankPlan:
@@ -171,8 +187,7 @@ def dealt_plan(batches: Sequence[Sequence[Any]], rank: int, world_size: int) -> 
         sizes.append(len(batch))
         items.extend(share or batch[:1])
         bounds.append(len(items))
-    as_ints = all(isinstance(i, int) for i in items)
-    return RankPlan(torch.tensor(items, dtype=torch.long) if as_ints else items, bounds, real), sizes
+    return RankPlan(as_order(items), bounds, real), sizes
 
 
 class _RealRows(Sequence[int]):

@@ -57,26 +57,8 @@ class TokenCrossEntropy:
         logits = output_logits(pred)
         if self.shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
-        total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            labels.reshape(-1),
-            ignore_index=self.ignore_index,
-            reduction="sum",
-        )
+        total = _token_cross_entropy(logits, labels, self.ignore_index, reduction="sum")
         return SummedLoss(total, (labels != self.ignore_index).sum())
-
-
-def own_field(out: Any, name: str) -> Any:
-    """`out.name` or `out["name"]`: a field of a model's output (dict, `ModelOutput`, object)."""
-    if isinstance(out, Mapping) and name in out:
-        return out[name]
-    value = getattr(out, name, None)
-    if value is None:
-        raise ValueError(
-            f"the model's output ({type(out).__name__}) has no {name!r}: with loss_func=None the model "
-            "must return its own loss (out.loss or out['loss']); otherwise pass a loss_func"
-        )
-    return value
 
 
 def output_logits(out: Any) -> Any:
@@ -111,9 +93,15 @@ def describe_output(out: Any) -> str:
     return type(out).__name__
 
 
-def _token_mean(logits: Tensor, labels: Tensor) -> Tensor:
+def _token_cross_entropy(
+    logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of each token's logits (the last dim) against its label, in float32."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
     )
 
 
@@ -123,9 +111,9 @@ def _token_means(logits: Any, labels: Tensor) -> dict[str, Tensor]:
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.shape[:-1] != labels.shape:
         return {}
     logits = logits.detach()
-    rules = {"plain": _token_mean(logits, labels)}
+    rules = {"plain": _token_cross_entropy(logits, labels)}
     if labels.dim() >= 2 and bool((labels[..., 1:] != IGNORE_INDEX).any()):
-        rules["shifted"] = _token_mean(logits[..., :-1, :], labels[..., 1:])
+        rules["shifted"] = _token_cross_entropy(logits[..., :-1, :], labels[..., 1:])
     return rules
 
 
@@ -188,7 +176,13 @@ def model_loss(out: Any) -> Tensor:
     (`return_dict=False`)."""
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) and out[0].dim() == 0:
         return out[0]
-    return own_field(out, "loss")
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"the model's output ({type(out).__name__}) has no 'loss': with loss_func=None the model "
+            "must return its own loss (out.loss or out['loss']); otherwise pass a loss_func"
+        )
+    return loss
 
 
 def zero_loss(pred: Any) -> Tensor:

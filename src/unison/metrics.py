@@ -110,14 +110,9 @@ class Metric:
         for state in self.sum_states:
             setattr(self, state, collective.sum(getattr(self, state)))
         for state in self.cat_states:
-            parts: list[Tensor] = getattr(self, state)
-            local = cat_padded(parts) if parts else None
-            if collective.active:  # a rank that saw no item (a tiny set) takes the others' dims and dtype
-                kinds = collective.gather_objects(None if local is None else (local.dim(), local.dtype))
-                known = [k for k in kinds if k is not None]
-                if local is None and known:
-                    local = torch.zeros((0,) * known[0][0], dtype=known[0][1])
-            local = local if local is not None else torch.zeros(0)
+            local = cat_padded(getattr(self, state))  # empty where this rank saw no item (a tiny set)
+            if collective.active:
+                local = _shaped_like_others(collective, local)
             setattr(self, state, [collective.gather_ordered(local, pad_value=-100)])
 
     def value(self, collective: Collective) -> float:
@@ -203,10 +198,7 @@ class AccumMetric(Metric):
         self.targets.append(targets[0].detach())
 
     def compute(self) -> float:
-        preds = cat_padded(self.preds) if self.preds else torch.zeros(0)
-        targets = cat_padded(self.targets) if self.targets else torch.zeros(0)
-        out = self.func(preds, targets)
-        return float(out)
+        return float(self.func(cat_padded(self.preds), cat_padded(self.targets)))
 
 
 class TorchMetric(Metric):
@@ -260,18 +252,23 @@ class TorchMetric(Metric):
                 self.metric.unsync()
 
 
+def _shaped_like_others(collective: Collective, t: Tensor) -> Tensor:
+    """`t`; where it is empty (a rank that saw no item, its state an empty 1-D tensor), an empty tensor
+    with another rank's trailing dims and dtype, so that every rank gathers alike (a collective)."""
+    kinds = collective.gather_objects((tuple(t.shape), t.dtype))
+    filled = [(shape, dtype) for shape, dtype in kinds if shape and shape[0] > 0]
+    if t.numel() == 0 and filled:
+        shape, dtype = filled[0]
+        return torch.zeros((0, *shape[1:]), dtype=dtype, device=t.device)
+    return t
+
+
 def _gather_fn(collective: Collective) -> Callable[..., list[Tensor]]:
-    """torchmetrics' `gather_all_tensors`, except that a rank that saw no item (its state an empty
-    1-D tensor) first takes the other ranks' trailing dims and dtype, so every rank gathers alike."""
+    """torchmetrics' `gather_all_tensors`, each rank's state first `_shaped_like_others`."""
     from torchmetrics.utilities.distributed import gather_all_tensors
 
     def gather(t: Tensor, group: Any = None) -> list[Tensor]:
-        kinds = collective.gather_objects((tuple(t.shape), t.dtype))
-        filled = [(shape, dtype) for shape, dtype in kinds if shape and shape[0] > 0]
-        if t.numel() == 0 and filled:
-            shape, dtype = filled[0]
-            t = torch.zeros((0, *shape[1:]), dtype=dtype, device=t.device)
-        return gather_all_tensors(t, group=group)
+        return gather_all_tensors(_shaped_like_others(collective, t), group=group)
 
     return gather
 

@@ -100,8 +100,7 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar("train/lr", recorder.lrs[step], step)
         self._logged = len(recorder.losses)
         if recorder.values:
-            names = recorder.metric_names[1:-1]  # without "epoch" and "time"
-            for name, value in zip(names, recorder.values[-1], strict=False):
+            for name, value in recorder.last_values().items():
                 self.writer.add_scalar(f"epoch/{name}", value, self.learn.epoch)
         self.writer.flush()
 

@@ -62,6 +62,18 @@ class Recorder(Callback):
     def metric_names(self) -> list[str]:
         return ["epoch", "train_loss", "valid_loss", *(m.name for m in self.learn.metrics), "time"]
 
+    def value_index(self, name: str, who: str) -> int:
+        """The column of `name` in each row of `values`; `who`, the callback that monitors it, refuses
+        a name that is not recorded."""
+        names = self.metric_names[1:-1]  # train_loss, valid_loss, metrics: without "epoch" and "time"
+        if name not in names:
+            raise ValueError(f"{who} cannot monitor {name!r}, recorded values are {names}")
+        return names.index(name)
+
+    def last_values(self) -> dict[str, float]:
+        """The last epoch's row of `values`, by name (`train_loss`, `valid_loss`, the metrics)."""
+        return dict(zip(self.metric_names[1:-1], self.values[-1], strict=False))
+
     def before_fit(self) -> None:
         self._header_done = False
 

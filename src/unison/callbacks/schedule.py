@@ -134,12 +134,9 @@ class LRSchedulerCallback(Callback):
             self.scheduler.load_state_dict(self._pending)
             self._pending = None
         if self.on_plateau:
-            names = self.learn.recorder.metric_names[1:-1]  # train_loss, valid_loss, metrics
-            if self.monitor not in names:
-                raise ValueError(
-                    f"LRSchedulerCallback: ReduceLROnPlateau cannot monitor {self.monitor!r}, "
-                    f"recorded values are {names}"
-                )
+            self._index = self.learn.recorder.value_index(
+                self.monitor, "LRSchedulerCallback: ReduceLROnPlateau"
+            )
 
     def after_step(self) -> None:
         if self.interval == "batch" and not self.on_plateau:
@@ -153,8 +150,7 @@ class LRSchedulerCallback(Callback):
         recorder = self.learn.recorder
         if not self.on_plateau or recorder.paused:
             return
-        value = recorder.epoch_values()[recorder.metric_names[1:-1].index(self.monitor)]
-        self.scheduler.step(value)
+        self.scheduler.step(recorder.epoch_values()[self._index])
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict() if self.scheduler is not None else {}

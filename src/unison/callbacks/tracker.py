@@ -36,12 +36,7 @@ class TrackerCallback(Callback):
         vars(self).update(self.fresh_state())
 
     def before_fit(self) -> None:
-        names = self.learn.recorder.metric_names[1:-1]
-        if self.monitor not in names:
-            raise ValueError(
-                f"{type(self).__name__}: cannot monitor {self.monitor!r}, recorded values are {names}"
-            )
-        self.index = names.index(self.monitor)
+        self.index = self.learn.recorder.value_index(self.monitor, f"{type(self).__name__}:")
         if self.fresh_fit():
             vars(self).update(self.fresh_state())
 

@@ -128,8 +128,7 @@ class TrackerLogger(Callback):
             rows[index - self._offset] = row
         last = len(recorder.losses) - 1 - self._offset  # the epoch's values go with its last step
         if recorder.values and last >= self.next_step:
-            names = recorder.metric_names[1:-1]  # without "epoch" and "time"
-            values = {f"epoch/{n}": float(v) for n, v in zip(names, recorder.values[-1], strict=False)}
+            values = {f"epoch/{n}": float(v) for n, v in recorder.last_values().items()}
             rows.setdefault(last, {}).update(
                 {"epoch/index": float(self.learn.epoch), **values, "epoch/time_s": float(recorder.times[-1])}
             )

@@ -179,10 +179,24 @@ def rotate_previous(path: str | os.PathLike[str], keep_previous: bool) -> bool:
     return keep_previous
 
 
+def _temp_path(path: Path) -> Path:
+    """A writer's temp file for `path`, beside it: named by its pid (see `remove_stale_temps`)."""
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the renames and new names in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _keep_as_previous(path: Path) -> None:
     """Make `previous_path(path)` hold `path`'s current bytes, atomically (`path` itself stays)."""
     previous = previous_path(path)
-    tmp = previous.parent / f".{previous.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    tmp = _temp_path(previous)
     try:
         os.link(path, tmp)  # the same bytes, no copy
     except OSError:  # a file system without hard links
@@ -210,7 +224,7 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
         raise _disk_full(path, needed)
     # Not tempfile.mkstemp: its files are private (0600) and the rename would keep that mode.
     # O_EXCL with mode 0666 gives the permissions of a plain open() under the user's umask.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    tmp = _temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     fcntl.flock(fd, fcntl.LOCK_EX)  # ours until renamed: remove_stale_temps never takes it
     writer = None
@@ -224,18 +238,14 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
             _keep_as_previous(path)
         os.replace(tmp, path)
     except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         cause = _enospc(exc, writer)
         if cause is not None:
             raise _disk_full(
                 path, max(needed, writer.written if writer else 0), writer.written if writer else None, cause
             ) from exc
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)  # make the rename itself durable
     return path
 
 

@@ -53,6 +53,7 @@ from unison.checkpoint.format import (
     FORMAT_VERSION,
     atomic_save,
     check_fits,
+    fsync_dir,
     previous_path,
     rotate_previous,
     safe_load,
@@ -101,14 +102,6 @@ class _RecordingWriter(dcp.FileSystemWriter):
         future = super().write_data(plan, planner)  # already done: FileSystemWriter writes in place
         self.written = sorted({result.storage_data.relative_path for result in future.wait()})
         return future
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_sharded(
@@ -160,19 +153,19 @@ def save_sharded(
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = final.parent / f".{final.name}.old-{token}"
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if rotate_previous(final, keep_previous) and old.exists():
             previous = previous_path(final)
             trash = final.parent / f".{final.name}.trash-{token}"
             if previous.exists():
                 os.replace(previous, trash)
             os.replace(old, previous)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         for stale in final.parent.glob(f".{final.name}.*-*"):  # this save's and those left by killed saves
             shutil.rmtree(stale, ignore_errors=True)
     collective.barrier()  # nobody reads the checkpoint before it is in place
@@ -225,7 +218,8 @@ def read_meta(
             stacklevel=2,
         )
     if model is not None:
-        _check_fits(path, model)
+        stored = {key: tuple(item.size) for key, item in _stored_model_tensors(path).items()}
+        check_fits(path, shapes(get_model_state_dict(model)), stored)
     return record["state"]
 
 
@@ -241,17 +235,14 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-def _stored_model_tensors(path: Path) -> dict[str, tuple[int, ...]]:
+def _stored_model_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
+    """What DCP's `.metadata` says of each model tensor in the folder (its full size and dtype), by key."""
     metadata = dcp.FileSystemReader(path).read_metadata()
     return {
-        key[len("model.") :]: tuple(item.size)
+        key[len("model.") :]: item
         for key, item in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
-
-
-def _check_fits(path: Path, model: nn.Module) -> None:
-    check_fits(path, shapes(get_model_state_dict(model)), _stored_model_tensors(path))
 
 
 def load_sharded(
@@ -338,11 +329,9 @@ def export_state_dict(checkpoint: str | os.PathLike[str], file: str | os.PathLik
     if newest.is_file():
         return atomic_save(safe_load(newest, map_location="cpu")["model"], file)
     read_meta(newest)
-    metadata = dcp.FileSystemReader(newest).read_metadata()
     weights = {
-        key[len("model.") :]: torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in _stored_model_tensors(newest).items()
     }
     with _quiet():
         dcp.load({"model": weights}, checkpoint_id=newest, no_dist=True)

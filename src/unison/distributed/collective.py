@@ -47,11 +47,7 @@ class Collective:
 
     def sum(self, t: Tensor) -> Tensor:
         """Elementwise sum of `t` over all ranks (a new tensor, on `t`'s device)."""
-        if not self.active:
-            return t
-        buf = t.detach().to(self.device, copy=True)
-        dist.all_reduce(buf, group=self.group)
-        return buf.to(t.device)
+        return self.start_sum(t)()
 
     def start_sum(self, t: Tensor) -> Callable[[], Tensor]:
         """Begin `sum(t)` without waiting for it (an asynchronous all-reduce); call what it returns for

@@ -61,30 +61,24 @@ class DistribEnv:
         """
         env = os.environ if env is None else env
         if is_srun_task(env):  # srun started this process itself: SLURM's variables say it all
-            rank, world, local, local_world, addr, port = srun_layout(env)
-            _check_rank(rank, world)
-            return cls(rank, world, local, local_world, addr, port)
-        world = _first_int(env, _WORLD_VARS, 1)
-        rank = _first_int(env, _RANK_VARS, 0)
-        local = _first_int(env, _LOCAL_RANK_VARS, 0)
-        local_world = _first_int(env, _LOCAL_WORLD_VARS, world)
-        _check_rank(rank, world)
-        port_text = env.get("MASTER_PORT")
-        return cls(
-            rank=rank,
-            world_size=world,
-            local_rank=local,
-            local_world_size=local_world,
-            master_addr=env.get("MASTER_ADDR") or None,
-            master_port=int(port_text) if port_text else None,
-        )
-
-
-def _check_rank(rank: int, world: int) -> None:
-    if world < 1:
-        raise ValueError(f"world size must be at least 1, the environment says {world}")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside the world of {world} processes (ranks 0..{world - 1})")
+            layout = cls(*srun_layout(env))
+        else:
+            world = _first_int(env, _WORLD_VARS, 1)
+            port = env.get("MASTER_PORT")
+            layout = cls(
+                rank=_first_int(env, _RANK_VARS, 0),
+                world_size=world,
+                local_rank=_first_int(env, _LOCAL_RANK_VARS, 0),
+                local_world_size=_first_int(env, _LOCAL_WORLD_VARS, world),
+                master_addr=env.get("MASTER_ADDR") or None,
+                master_port=int(port) if port else None,
+            )
+        rank, world = layout.rank, layout.world_size
+        if world < 1:
+            raise ValueError(f"world size must be at least 1, the environment says {world}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the world of {world} processes (ranks 0..{world - 1})")
+        return layout
 
 
 def group_active() -> bool:

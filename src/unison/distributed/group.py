@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from unison.distributed.devices import check_local_rank, resolve_backend
 from unison.distributed.env import DistribEnv, group_active, threads_per_worker, usable_cores
+from unison.distributed.network import store_listener
 from unison.distributed.slurm import is_srun_task, task_threads
 from unison.env_names import TIMEOUT_ENV
 
@@ -84,11 +84,7 @@ def _loopback_listener(env: DistribEnv) -> int | None:
             return None
     except ValueError:  # a host name other than localhost: the network
         return None
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, env.master_port))
-    sock.listen(2048)
-    return sock.detach()  # the store owns the descriptor from here on
+    return store_listener(host, env.master_port).detach()  # the store owns the descriptor from here on
 
 
 def setup_distrib(gpu: int | None = None, timeout: float | None = None, backend: str | None = None) -> bool:
@@ -243,13 +239,12 @@ def rank0_first(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     status: list[Any] = [None]
     if rank == 0:
         try:
-            result = func(*args, **kwargs)
+            return func(*args, **kwargs)
         except BaseException as exc:
             status[0] = f"{type(exc).__name__}: {exc}"
-            dist.broadcast_object_list(status, src=0, device=_object_device())
             raise
-        dist.broadcast_object_list(status, src=0, device=_object_device())
-        return result
+        finally:  # the others learn whether it ran (or why not) before they go on
+            dist.broadcast_object_list(status, src=0, device=_object_device())
     dist.broadcast_object_list(status, src=0, device=_object_device())
     if status[0] is not None:
         raise RuntimeError(f"rank0_first: {name} failed on rank 0 ({status[0]}); rank {rank} did not run it")

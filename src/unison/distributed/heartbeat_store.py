@@ -11,25 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from unison.distributed.network import store_listener
 from unison.env_names import HEARTBEAT_ENV
 
 __all__ = ["heartbeat_store"]
-
-
-def _listener(host: str) -> socket.socket:
-    """A listening socket on `host`, any free port (loopback stays loopback: nothing else can reach it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    return sock
 
 
 @contextlib.contextmanager
@@ -43,7 +33,7 @@ def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"the heartbeat store listens on loopback only, got {host}")
-    sock = _listener(host)
+    sock = store_listener(host)  # loopback stays loopback: nothing else can reach it
     port = sock.getsockname()[1]
     store = dist.TCPStore(
         host,
@@ -51,7 +41,7 @@ def heartbeat_store(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=30),
-        master_listen_fd=sock.detach(),  # bound to loopback: a TCPStore alone binds every interface
+        master_listen_fd=sock.detach(),
     )
     try:
         yield {HEARTBEAT_ENV: f"{host}:{port}"}

@@ -4,7 +4,8 @@ do alike when they enter and while they train.
 - `training_device`: the device this rank trains on (its GPU under NCCL, else the model's).
 - `make_collective`: the WORLD group's `Collective`, once every loader is found shardable and
   every rank is found holding the same data; `shared_seed`: rank 0's data seed on every rank.
-- `RankMonitor`: a barrier at each epoch that names who misses it, and the watchdog's heartbeats.
+- `RankMonitor`: a barrier at each epoch that names who misses it, and the watchdog's heartbeats;
+  `MonitoredRanks`: the loop's events and the strategy calls both trainers answer through it.
 
     collective = make_collective(learn, training_device(learn, None))
     seed = shared_seed(collective, learn.data_seed)
@@ -27,8 +28,9 @@ from unison.data.loader import shard_problem
 from unison.distributed.collective import Collective
 from unison.distributed.devices import BACKEND_ENV, pick_device
 from unison.distributed.env import group_active
-from unison.distributed.group import destroy_group, resolve_timeout
+from unison.distributed.group import destroy_group, leave_group, resolve_timeout
 from unison.distributed.watchdog import RankStalledError, Watchdog
+from unison.loop_state import StartPoint
 
 if TYPE_CHECKING:
     from unison.learner_view import EngineHost, LearnerView
@@ -196,3 +198,49 @@ class RankMonitor:
         if self._barrier_group is not None:
             destroy_group(self._barrier_group)
             self._barrier_group = None
+
+
+class MonitoredRanks:
+    """What `DistributedTrainer` and `ShardedTrainer` answer alike: the `RankMonitor` that setup
+    makes over several processes (each epoch's barrier, each batch's stages for the heartbeats, the
+    rank that stopped), where every rank starts, and leaving a group setup made."""
+
+    learn: LearnerView
+    created_group = False
+    monitor: RankMonitor | None = None
+
+    def _at(self, stage: int) -> None:
+        """This batch's stage (0 started, 1 in backward, 2 stepped), for the heartbeats."""
+        if self.monitor is not None:
+            self.monitor.progress(self.learn, stage)
+
+    def before_epoch(self) -> None:
+        if self.monitor is not None:
+            self.monitor.epoch_barrier()
+
+    def before_backward(self) -> None:
+        self._at(1)
+
+    def after_step(self) -> None:
+        self._at(2)
+
+    def start_point(self, point: StartPoint) -> StartPoint:
+        """Where the loop would start: every rank starts together."""
+        return point
+
+    def diagnose(self) -> RankStalledError | None:
+        """After a failed collective: the rank that stopped taking part, if another one did."""
+        return self.monitor.diagnose() if self.monitor is not None else None
+
+    def peers_gone(self) -> list[int] | None:
+        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
+        return self.monitor.peers_gone() if self.monitor is not None else None
+
+    def leave(self) -> None:
+        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
+        self.created_group = leave_group(self.created_group)
+
+    def _stop_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None

@@ -121,6 +121,21 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+def store_listener(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on `host` alone (`port` 0: any free one), for a TCPStore server to take
+    (`master_listen_fd`): a TCPStore left to bind itself listens on every interface.
+
+    >>> with store_listener("127.0.0.1") as sock:
+    ...     sock.getsockname()[0]
+    '127.0.0.1'
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def reach_host(lighthouse: str | None) -> str | None:
     """The host of a lighthouse address `http://host:port` unless it is this machine's loopback.
 

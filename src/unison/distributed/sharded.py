@@ -38,8 +38,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
 from unison.distributed.fsdp import is_sharded
-from unison.distributed.group import leave_group, setup_distrib
+from unison.distributed.group import setup_distrib
 from unison.distributed.joining import (
+    MonitoredRanks,
     RankMonitor,
     make_collective,
     shared_seed,
@@ -49,7 +50,7 @@ from unison.distributed.joining import (
 from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
-from unison.loop_state import StartPoint, TrainingParts
+from unison.loop_state import TrainingParts
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -196,7 +197,7 @@ def _rebuilt_optimizer(
     return new
 
 
-class ShardedTrainer(Callback):
+class ShardedTrainer(MonitoredRanks, Callback):
     """Train fully sharded (FSDP2) over the launch's processes; `to_distributed(shard=True)` attaches it.
 
     - `blocks`: which submodules are sharded as units (default: the repeated ones).
@@ -249,9 +250,7 @@ class ShardedTrainer(Callback):
         self.backend = backend  # "gloo": train on the CPU even where CUDA is available
         self.reshard_after_forward = reshard_after_forward
         self.release_memory = release_memory
-        self.created_group = False
         self.active = False
-        self.monitor: RankMonitor | None = None
         self._sync = True
         self._failed = False
         self._twin: nn.Module | None = None
@@ -332,15 +331,9 @@ class ShardedTrainer(Callback):
         self.monitor = RankMonitor(self.timeout)
         return TrainingParts(twin, opt, collective, shared_seed(collective, parts.data_seed))
 
-    def leave(self) -> None:
-        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
-        self.created_group = leave_group(self.created_group)
-
     def restore(self) -> TrainingParts:
         """Gather the trained weights back into the user's plain model; drop the sharded optimizer."""
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
+        self._stop_monitor()
         before, opt = self._before, self.learn.opt
         twin, self._twin, self.trainable = self._twin, None, None
         if twin is not None:
@@ -369,40 +362,19 @@ class ShardedTrainer(Callback):
         return replace(before, opt=opt, data_seed=self.learn.data_seed)
 
     # ---- the loop ---------------------------------------------------------------------
-    def before_epoch(self) -> None:
-        if self.monitor is not None:
-            self.monitor.epoch_barrier()
-
     def before_batch(self) -> None:
         if not self.active:
             return
-        assert self.monitor is not None  # an active setup made it
-        self.monitor.progress(self.learn, 0)
+        self._at(0)
         # Accumulation micro-steps keep their gradients local: one reduce-scatter per step.
         sync = self.learn.grad_sync or not self.learn.training
         if sync != self._sync:
             cast(FSDPModule, self.learn.model).set_requires_gradient_sync(sync)
             self._sync = sync
 
-    def before_backward(self) -> None:
-        if self.monitor is not None:
-            self.monitor.progress(self.learn, 1)
-
-    def after_step(self) -> None:
-        if self.monitor is not None:
-            self.monitor.progress(self.learn, 2)
-
-    def start_point(self, point: StartPoint) -> StartPoint:
-        """Where the loop would start: every rank starts together."""
-        return point
-
     def diagnose(self) -> RankStalledError | None:
         """After the `with` block failed: the rank that stopped taking part, if another one did.
 
         Also remembers the failure, so that `restore` does not let a failing gather hide it."""
         self._failed = True
-        return self.monitor.diagnose() if self.monitor is not None else None
-
-    def peers_gone(self) -> list[int] | None:
-        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
-        return self.monitor.peers_gone() if self.monitor is not None else None
+        return super().diagnose()

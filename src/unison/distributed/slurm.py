@@ -127,19 +127,19 @@ def tasks_on_this_node(env: Mapping[str, str]) -> int | None:
     return counts[int(node)] if int(node) < len(counts) else None
 
 
+def rendezvous(env: Mapping[str, str]) -> tuple[str, int]:
+    """`(master_addr, master_port)` of an srun step: the job's `MASTER_ADDR` / `MASTER_PORT` where
+    exported, else the first node and the job's port."""
+    port = env.get("MASTER_PORT")
+    return env.get("MASTER_ADDR") or first_host(env), int(port) if port else job_port(env)
+
+
 def srun_layout(env: Mapping[str, str]) -> tuple[int, int, int, int, str, int]:
     """`(rank, world_size, local_rank, local_world_size, master_addr, master_port)` of an srun
-    task (see `is_srun_task`); the job's `MASTER_ADDR` / `MASTER_PORT` win when exported."""
+    task (see `is_srun_task`)."""
     world = int(env["SLURM_STEP_NUM_TASKS"])
-    port = env.get("MASTER_PORT")
-    return (
-        int(env["SLURM_PROCID"]),
-        world,
-        int(env.get("SLURM_LOCALID", "0")),
-        tasks_on_this_node(env) or world,
-        env.get("MASTER_ADDR") or first_host(env),
-        int(port) if port else job_port(env),
-    )
+    local = int(env.get("SLURM_LOCALID", "0"))
+    return (int(env["SLURM_PROCID"]), world, local, tasks_on_this_node(env) or world, *rendezvous(env))
 
 
 def launcher_layout(env: Mapping[str, str]) -> tuple[int, int, str, int] | None:
@@ -161,9 +161,7 @@ def launcher_layout(env: Mapping[str, str]) -> tuple[int, int, str, int] | None:
             "starts the processes itself: use srun --ntasks-per-node=1 (or run the script with srun "
             "directly, without unison launch)"
         )
-    port = env.get("MASTER_PORT")
-    addr = env.get("MASTER_ADDR") or first_host(env)
-    return nodes, int(env.get("SLURM_NODEID", "0")), addr, int(port) if port else job_port(env)
+    return nodes, int(env.get("SLURM_NODEID", "0")), *rendezvous(env)
 
 
 def task_threads(env: Mapping[str, str], share: int, cores: int) -> int | None:

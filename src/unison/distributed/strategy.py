@@ -8,8 +8,8 @@ metric, rank 0's data seed); `restore()` returns the parts as they were. It writ
 host: the engine (`unison.engine.attach_strategy`) puts the parts in place. It names a
 rank that stopped taking part (`diagnose()`), and says how a checkpoint of its model is written
 (`checkpoint_format`: "file", one file rank 0 writes, or "dcp", every rank its own shards). Between
-those it takes part in the loop through the events a callback has (`before_batch`, ...). They
-share no base class: what two of them do alike is composed from `unison.distributed.joining`.
+those it takes part in the loop through the events a callback has (`before_batch`, ...). What
+DDP and FSDP2 do alike is `unison.distributed.joining`'s (`MonitoredRanks`, `make_collective`, ...).
 
 The host is whatever drives the loop, the `Learner` or the own-loop `Run`: both present the
 state a strategy reads (`unison.learner_view.LearnerView`).

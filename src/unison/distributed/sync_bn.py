@@ -49,15 +49,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # float32 at least: half-precision sums of large batches lose the statistics.
         cdtype = torch.promote_types(x.dtype, torch.float32)
         channels = x.shape[1]
-        dims = [0, *range(2, x.dim())]
         xf = x.to(cdtype)
         count = x.numel() // channels
-        native = _native_ok(xf) and count > 0
-        if native:  # torch's fused (Welford) CPU/CUDA kernel: mean and biased variance in one pass
+        if count > 0:  # torch's fused (Welford) CPU/CUDA kernel: mean and biased variance in one pass
             mean, var = torch.batch_norm_update_stats(xf, None, None, 0.0)
-        elif count > 0:  # two passes: mean first, then squares about it (stable)
-            mean = xf.mean(dims)
-            var = (xf - _bcast(mean, x)).square().mean(dims)
         else:  # an empty rank contributes zero weight below, never a NaN
             mean = var = torch.zeros(channels, dtype=cdtype, device=x.device)
         packed = torch.cat([mean.new_full((1,), float(count)), mean, var])
@@ -76,38 +71,43 @@ class _SyncBatchNormFn(torch.autograd.Function):
             # As torch's BatchNorm for one batch of `total` values: unbiased var in the buffer.
             running_mean.lerp_(g_mean.to(running_mean.dtype), factor)
             running_var.lerp_((g_var * (total / (total - 1))).to(running_var.dtype), factor)
-        if native:  # eval-mode batch_norm normalises with the statistics it is given: one fused pass
-            y = F.batch_norm(xf, g_mean, g_var, weight, bias, False, 0.0, eps)
-        else:
-            y = (xf - _bcast(g_mean, x)) * _bcast(invstd if weight is None else invstd * weight, x)
-            if bias is not None:
-                y = y + _bcast(bias, x)
+        # Eval-mode batch_norm normalises with the statistics it is given: one fused pass.
+        y = F.batch_norm(xf, g_mean, g_var, weight, bias, False, 0.0, eps)
         ctx.save_for_backward(x, weight, g_mean, g_var, invstd)
-        ctx.total, ctx.group, ctx.world, ctx.eps, ctx.native = total, group, world_size, eps, native
+        ctx.total, ctx.group, ctx.world, ctx.eps = total, group, world_size, eps
         return y.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        """On torch's fused kernels: ~one pass over the data, as plain BatchNorm's.
+
+        Eval-mode `native_batch_norm_backward` with the global statistics gives, in one call,
+        `w * invstd * dy` and this rank's `sum(dy * xhat)`, `sum(dy)`. The input gradient of a
+        batch norm also depends on those sums over *all* ranks (every sample moved the mean and
+        variance): after one all_reduce they enter as a per-channel affine correction.
+        """
         x, weight, mean, var, invstd = ctx.saved_tensors
-        if ctx.native:
-            return _native_backward(ctx, dy, x, weight, mean, var, invstd)
-        dims = [0, *range(2, x.dim())]
-        dyf = dy.to(mean.dtype)
-        xhat = (x.to(mean.dtype) - _bcast(mean, x)) * _bcast(invstd, x)
-        sum_dy, sum_dy_xhat = dyf.sum(dims), (dyf * xhat).sum(dims)
+        w = weight if weight is not None else torch.ones_like(mean)
+        if x.numel():
+            grad_in, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy.to(x.dtype).contiguous(), x, w, mean, var, None, None, False, ctx.eps, [True, True, True]
+            )
+        else:  # an empty rank (torch's kernel would divide by its zero count) adds zero sums below
+            grad_in, sum_dy_xhat, sum_dy = torch.zeros_like(x), torch.zeros_like(mean), torch.zeros_like(mean)
         # Local sums, like torch's SyncBatchNorm: each rank's backward carries only its own loss
         # term, and DDP's mean over ranks of these gives d(mean of rank losses)/d(weight, bias).
-        grad_w = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             # Every sample moved the global mean and var, so dx needs the sums of all ranks.
             sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.world)
-            mean_dy, mean_dy_xhat = (sums / ctx.total).chunk(2)
-            scale = invstd if weight is None else invstd * weight
-            grad_x = (dyf - _bcast(mean_dy, x) - xhat * _bcast(mean_dy_xhat, x)) * _bcast(scale, x)
-            grad_x = grad_x.to(x.dtype)
+            g_sum_dy, g_sum_dy_xhat = sums.chunk(2)
+            # dx = w*invstd*(dy - S1/N - xhat*S2/N) = grad_in - k2*x - k1, per channel
+            k2 = w * invstd * invstd * g_sum_dy_xhat / ctx.total
+            k1 = w * invstd * g_sum_dy / ctx.total - k2 * mean
+            grad_x = grad_in.addcmul_(x, _bcast(-k2, x)).sub_(_bcast(k1, x))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -118,38 +118,6 @@ def _sum_over_ranks(t: Tensor, group: Any, world_size: int) -> Tensor:
     gathered = t.new_empty(world_size, t.numel())
     _all_gather_flat(gathered.view(-1), t.contiguous(), group=group)
     return gathered.sum(0)
-
-
-def _native_ok(x: Tensor) -> bool:
-    """Whether torch's fused batch-norm kernels take `x` (float32/64; half types take the generic path)."""
-    return x.dtype in (torch.float32, torch.float64) and x.dim() >= 2
-
-
-def _native_backward(
-    ctx: Any, dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, invstd: Tensor
-) -> tuple[Tensor | None, ...]:
-    """The backward on torch's fused kernels: ~one pass over the data, as plain BatchNorm's.
-
-    Eval-mode `native_batch_norm_backward` with the global statistics gives, in one call,
-    `w * invstd * dy` and this rank's `sum(dy * xhat)`, `sum(dy)`. The input gradient of a
-    batch norm also depends on those sums over *all* ranks (every sample moved the mean and
-    variance): after one all_reduce they enter as a per-channel affine correction.
-    """
-    w = weight if weight is not None else torch.ones_like(mean)
-    grad_in, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy.to(x.dtype).contiguous(), x, w, mean, var, None, None, False, ctx.eps, [True, True, True]
-    )
-    grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-    grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.world)
-        g_sum_dy, g_sum_dy_xhat = sums.chunk(2)
-        # dx = w*invstd*(dy - S1/N - xhat*S2/N) = grad_in - k2*x - k1, per channel
-        k2 = w * invstd * invstd * g_sum_dy_xhat / ctx.total
-        k1 = w * invstd * g_sum_dy / ctx.total - k2 * mean
-        grad_x = grad_in.addcmul_(x, _bcast(-k2, x)).sub_(_bcast(k1, x))
-    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _bcast(v: Tensor, like: Tensor) -> Tensor:
@@ -166,8 +134,9 @@ class BatchNormNd(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
-class SyncBatchNorm(_BatchNorm):
-    """BatchNorm over the union of every rank's batch; any device, any backend (gloo too).
+class SyncBatchNorm(BatchNormNd):
+    """BatchNorm over the union of every rank's batch, for any (N, C, *) input; any device, any
+    backend (gloo too).
 
     Batch statistics are synchronised whenever they are used (training, or eval without
     running stats) and the group has more than one rank; otherwise it is exactly
@@ -197,10 +166,6 @@ class SyncBatchNorm(_BatchNorm):
         if affine and not bias:  # set here, not via super(): older torch lacks `bias=`
             self.register_parameter("bias", None)
         self.process_group = process_group
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def _sync_group(self) -> tuple[Any, int] | None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -21,8 +21,9 @@ from torch import nn
 
 from unison.distributed.devices import place_training_state
 from unison.distributed.env import group_active
-from unison.distributed.group import leave_group, setup_distrib
+from unison.distributed.group import setup_distrib
 from unison.distributed.joining import (
+    MonitoredRanks,
     RankMonitor,
     make_collective,
     shared_seed,
@@ -30,9 +31,8 @@ from unison.distributed.joining import (
     training_device,
 )
 from unison.distributed.sync_bn import buffers_synchronised, convert_sync_batchnorm, revert_sync_batchnorm
-from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
-from unison.loop_state import StartPoint, TrainingParts
+from unison.loop_state import TrainingParts
 
 #: DDP gradient bucket size on gloo (torch's default is 25). Measured with `benchmarks/run.py --knobs`
 #: (2 CPU processes): +8% samples/s on the MLP workload, neutral on the CNN. Fewer, larger all-reduces
@@ -80,7 +80,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.module.reset()
 
 
-class DistributedTrainer(Callback):
+class DistributedTrainer(MonitoredRanks, Callback):
     """Train data-parallel over the launch's processes; `Learner.to_distributed` attaches it.
 
     `setup()` runs when attached, so `fit`, `validate`, `get_preds` and `lr_find` all run
@@ -108,10 +108,8 @@ class DistributedTrainer(Callback):
         self.cuda_id, self.sync_bn, self.timeout, self.ddp_kwargs = cuda_id, sync_bn, timeout, ddp_kwargs
         self.backend = backend  # "gloo": train on the CPU even where CUDA is available
         self.check_data = check_data  # False: ranks may hold different data on purpose (same lengths)
-        self.created_group = False
         self.active = False
         self._converted = False
-        self.monitor: RankMonitor | None = None
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
         self._kwargs: dict[str, Any] = {}  # DDP's arguments, as `setup` made them
         #: Which parameters required a gradient when DDP wrapped the model (None: not wrapped).
@@ -190,14 +188,6 @@ class DistributedTrainer(Callback):
     def _device(self) -> torch.device:
         return training_device(self.learn, self.cuda_id, self.backend)
 
-    def before_epoch(self) -> None:
-        if self.monitor is not None:
-            self.monitor.epoch_barrier()
-
-    def _at(self, stage: int) -> None:
-        if self.monitor is not None:
-            self.monitor.progress(self.learn, stage)
-
     def before_batch(self) -> None:
         if not self.active:
             return
@@ -206,24 +196,6 @@ class DistributedTrainer(Callback):
             # nn.Module's stubs type an unknown attribute as Tensor | Module: no_sync is DDP's method.
             self._no_sync = cast(Any, self.learn.model).no_sync()
             self._no_sync.__enter__()
-
-    def before_backward(self) -> None:
-        self._at(1)
-
-    def after_step(self) -> None:
-        self._at(2)
-
-    def start_point(self, point: StartPoint) -> StartPoint:
-        """Where the loop would start: every rank starts together."""
-        return point
-
-    def diagnose(self) -> RankStalledError | None:
-        """After a failed collective: the rank that stopped taking part, if another one did."""
-        return self.monitor.diagnose() if self.monitor is not None else None
-
-    def peers_gone(self) -> list[int] | None:
-        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
-        return self.monitor.peers_gone() if self.monitor is not None else None
 
     def after_batch(self) -> None:
         # (Not after an evaluation batch inside a training batch, as an own loop may run: the training
@@ -238,18 +210,12 @@ class DistributedTrainer(Callback):
             self._no_sync.__exit__(None, None, None)
             self._no_sync = None
 
-    def leave(self) -> None:
-        """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""
-        self.created_group = leave_group(self.created_group)
-
     def restore(self) -> TrainingParts:
         """Undo `setup`: the model unwrapped (BatchNorm reverted in place: the user's model object is
         kept), the collective as it was, the group closed where setup made it."""
         self._leave_no_sync()
         self.trainable = None
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
+        self._stop_monitor()
         before = self._before
         if self._converted:
             revert_sync_batchnorm(before.model)

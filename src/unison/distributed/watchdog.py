@@ -114,21 +114,14 @@ class Watchdog:
             hosted = os.environ.get(HEARTBEAT_ENV, "")
             if hosted:
                 host, _, port = hosted.rpartition(":")
-                return dist.TCPStore(
-                    host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
-                )
-            if created_by_unison():
+            elif created_by_unison():
                 env = DistribEnv.from_environ()
-                assert env.master_addr is not None and env.master_port is not None
-                return dist.TCPStore(
-                    env.master_addr,
-                    env.master_port,
-                    is_master=False,
-                    timeout=timedelta(seconds=5),
-                    wait_for_workers=False,
-                )
-            # A group the user made (tcp://, file://, env://): torch keeps its store.
-            return dist.distributed_c10d._get_default_store()
+                host, port = str(env.master_addr), str(env.master_port)
+            else:  # a group the user made (tcp://, file://, env://): torch keeps its store
+                return dist.distributed_c10d._get_default_store()
+            return dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
+            )
         except Exception:  # a diagnostic aid must never break training
             return None
 

@@ -30,21 +30,26 @@ def _rebuild_mapping(x: Mapping, items: dict[str, Any]) -> Any:
         return dict(items)
 
 
+def _map_leaves(fn: Callable[[tuple, Any], Any], x: Any, path: tuple = ()) -> Any:
+    """`x` with every leaf (a tensor or anything that is not a container) replaced by
+    `fn(path, leaf)`, `path` the keys and indices that lead to it, each container rebuilt as its
+    own class."""
+    if isinstance(x, Mapping):
+        return _rebuild_mapping(x, {k: _map_leaves(fn, v, (*path, k)) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_map_leaves(fn, v, (*path, i)) for i, v in enumerate(x)))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_leaves(fn, v, (*path, i)) for i, v in enumerate(x))
+    return fn(path, x)
+
+
 def map_tensors(fn: Callable[[Tensor], Any], x: Any) -> Any:
     """`x` with `fn` applied to every tensor, each container rebuilt as its own class.
 
     >>> map_tensors(lambda t: t * 2, {"a": (torch.ones(1),)})
     {'a': (tensor([2.]),)}
     """
-    if isinstance(x, Tensor):
-        return fn(x)
-    if isinstance(x, Mapping):
-        return _rebuild_mapping(x, {k: map_tensors(fn, v) for k, v in x.items()})
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(map_tensors(fn, v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(map_tensors(fn, v) for v in x)
-    return x
+    return _map_leaves(lambda _, leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf, x)
 
 
 def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
@@ -58,14 +63,7 @@ def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False
 
 def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from tensors_in(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from tensors_in(v)
+    return (leaf for _, leaf in _leaves(batch) if isinstance(leaf, Tensor))
 
 
 def batch_size_of(batch: Any) -> int:
@@ -137,31 +135,21 @@ def cat_structured(batches: Sequence[Any], pad_value: float = -100, combine: Cal
     """
     if not batches:
         return None
-    joined: dict[tuple, Any] = {}
-    for path, leaf in _leaves(batches[0]):
+
+    def joined(path: tuple, leaf: Any) -> Any:
         parts = [_at(b, path) for b in batches]
         if isinstance(leaf, Tensor) and leaf.dim() and all(isinstance(p, Tensor) for p in parts):
             t = cat_padded(parts, pad_value)
-            joined[path] = combine(t) if combine is not None else t
-        else:
-            joined[path] = None
-    return _fill(batches[0], joined, ())
+            return combine(t) if combine is not None else t
+        return None
+
+    return _map_leaves(joined, batches[0])
 
 
 def _at(x: Any, path: tuple) -> Any:
     for k in path:
         x = x[k]
     return x
-
-
-def _fill(x: Any, joined: dict[tuple, Any], prefix: tuple) -> Any:
-    if isinstance(x, Mapping):
-        return _rebuild_mapping(x, {k: _fill(v, joined, (*prefix, k)) for k, v in x.items()})
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_fill(v, joined, (*prefix, i)) for i, v in enumerate(x)))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_fill(v, joined, (*prefix, i)) for i, v in enumerate(x))
-    return joined[prefix]
 
 
 def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

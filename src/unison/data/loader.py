@@ -32,7 +32,7 @@ from unison.data.fetch import SeededItems, _TensorBatches, fetched_through
 from unison.data.item_draws import item_seed
 from unison.data.permutation import PermutedOrder, pick_order
 from unison.data.plan import PositionPlan, RankPlan, as_order, dealt_plan, sampler_order, strided_plan
-from unison.data.ranked import is_rank_sharded
+from unison.data.ranked import RankShare, is_rank_sharded
 from unison.rng import mix_seed
 
 
@@ -91,7 +91,7 @@ class _PlanSampler:
         return len(self.owner._rank_plan) - self.owner._plan_start
 
 
-class DistributedDL:
+class DistributedDL(RankShare):
     """This rank's share of the batches of `dl`, a map-style `DataLoader`.
 
     Rank `r` of `W` gets `ceil(n / W)` items per epoch: global positions `r, r+W, ...`
@@ -138,6 +138,7 @@ class DistributedDL:
             raise ValueError(
                 "DistributedDL shards the data itself: give it a loader without a DistributedSampler"
             )
+        super().__init__(dl)
         here, world = _place_in_job()
         self.rank = here if rank is None else rank
         self.world_size = world if world_size is None else world_size
@@ -157,9 +158,6 @@ class DistributedDL:
         self.drawn = drawn  # each epoch's order as `dl` itself draws it (else a function of the seed)
         self.order = pick_order(order, dl.sampler, dl.batch_size, announce=self.rank == 0)
         self.pad = pad
-        self.epoch = 0
-        self._dl = dl
-        self._start = 0
         # A custom batch_sampler (length bucketing): in training its batches are dealt across ranks
         # (global step k = the sampler's batch k); in evaluation its batches are joined into one order
         # and strided as any order, so get_preds keeps the loader's order.
@@ -176,36 +174,17 @@ class DistributedDL:
         # DataLoader draws its worker base seed from this generator on every iter(); a private one
         # reseeded per epoch keeps the caller's global RNG untouched and worker seeds reproducible.
         self._gen = dl.generator if dl.generator is not None else torch.Generator()
-        kwargs: dict[str, Any] = {}
-        if dl.num_workers > 0:
-            kwargs["prefetch_factor"] = dl.prefetch_factor
-        if hasattr(dl, "in_order"):
-            kwargs["in_order"] = dl.in_order
         dataset, collate_fn = fetched_through(dl.dataset, dl.collate_fn)
         self._positions: tuple[int, int, list[int]] = (0, 0, [])  # (epoch, batch size, dealt batches' starts)
-        self._inner = DataLoader(
+        self._inner = self._loader_like_dl(
             dataset,
             batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),
             collate_fn=collate_fn,
-            num_workers=dl.num_workers,
-            pin_memory=dl.pin_memory,
-            timeout=dl.timeout,
-            worker_init_fn=dl.worker_init_fn,
-            multiprocessing_context=dl.multiprocessing_context,
             generator=self._gen,
             persistent_workers=dl.persistent_workers,
             pin_memory_device=dl.pin_memory_device,
-            **kwargs,
+            in_order=dl.in_order,
         )
-
-    # Pass-throughs so code written for a DataLoader keeps working.
-    @property
-    def dl(self) -> DataLoader:
-        return self._dl
-
-    @property
-    def dataset(self) -> Any:
-        return self._dl.dataset
 
     @property
     def sampler(self) -> Any:
@@ -219,32 +198,6 @@ class DistributedDL:
             first = batches[0] if self.dealt and batches else max(batches, key=len, default=[])
             return max(1, -(-len(first) // self.world_size))
         return self._dl.batch_size  # type: ignore[return-value]
-
-    @property
-    def drop_last(self) -> bool:
-        return self._dl.drop_last
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration use the order of `epoch`.
-
-        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2, shuffle=True), 0, 1, seed=0)
-        >>> ddl.set_epoch(3); first = next(iter(ddl))
-        >>> ddl.set_epoch(3); bool((next(iter(ddl)) == first).all())   # the same epoch, the same order
-        True
-        """
-        self.epoch = int(epoch)
-
-    def set_start(self, batch_index: int) -> None:
-        """Skip the first `batch_index` batches of the next iteration, without loading them (resume).
-
-        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2), 0, 1)
-        >>> ddl.set_epoch(2); ddl.set_start(3)   # continue epoch 2 at its 4th batch
-        >>> list(ddl)
-        [tensor([6, 7])]
-        """
-        if batch_index < 0:
-            raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
-        self._start = int(batch_index)
 
     def global_order(self, epoch: int) -> Sequence[Any]:
         """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size

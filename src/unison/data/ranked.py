@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from torch.utils.data import DataLoader
+
 
 @runtime_checkable
 class RankShardedLoader(Protocol):
@@ -55,3 +57,70 @@ def is_rank_sharded(dl: Any) -> bool:
 
 
 _SHARDED_TYPES: dict[type, bool] = {}
+
+
+class RankShare:
+    """What `DistributedDL` and `StreamDL` share: the `DataLoader` they shard (`dl`, with
+    pass-throughs so code written for a DataLoader keeps working), the epoch the next iteration
+    plays and the step it starts at, and the inner loaders they load through."""
+
+    def __init__(self, dl: DataLoader) -> None:
+        self._dl = dl
+        self.epoch = 0
+        self._start = 0
+
+    @property
+    def dl(self) -> DataLoader:
+        return self._dl
+
+    @property
+    def dataset(self) -> Any:
+        return self._dl.dataset
+
+    @property
+    def drop_last(self) -> bool:
+        return self._dl.drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use the order of `epoch` (a stream's dataset is told it, when it
+        has `set_epoch`, as HF and webdataset streams do).
+
+        >>> from unison.data.loader import DistributedDL
+        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2, shuffle=True), 0, 1, seed=0)
+        >>> ddl.set_epoch(3); first = next(iter(ddl))
+        >>> ddl.set_epoch(3); bool((next(iter(ddl)) == first).all())   # the same epoch, the same order
+        True
+        """
+        self.epoch = int(epoch)
+
+    def set_start(self, batch_index: int) -> None:
+        """Continue the next iteration at global step `batch_index` (resume), loading nothing before it:
+        a map-style loader skips those batches of its plan; a stream's first items are read and skipped
+        without being collated (generic path), or this rank's first `batch_index` batches are read and
+        dropped (a self-sharded stream).
+
+        >>> from unison.data.loader import DistributedDL
+        >>> ddl = DistributedDL(DataLoader(range(8), batch_size=2), 0, 1)
+        >>> ddl.set_epoch(2); ddl.set_start(3)   # continue epoch 2 at its 4th batch
+        >>> list(ddl)
+        [tensor([6, 7])]
+        """
+        if batch_index < 0:
+            raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
+        self._start = int(batch_index)
+
+    def _loader_like_dl(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        """A `DataLoader` over `dataset` that loads as `dl` does (its workers, their prefetch, init and
+        start method, pinning, timeout); `kwargs` give the rest (batching, collate, generator)."""
+        dl = self._dl
+        if dl.num_workers > 0:
+            kwargs["prefetch_factor"] = dl.prefetch_factor
+        return DataLoader(
+            dataset,
+            num_workers=dl.num_workers,
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            **kwargs,
+        )

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from unison.data.batch import batch_size_of
 from unison.data.fingerprint import item_print
+from unison.data.ranked import RankShare
 from unison.rng import mix_seed, seeded_draws
 
 _END = object()
@@ -224,7 +225,7 @@ def loader_length(dl: Any) -> int | None:
         return None
 
 
-class StreamDL:
+class StreamDL(RankShare):
     """This rank's batches of `dl`, a `DataLoader` over an `IterableDataset`, every rank taking
     the same number of steps.
 
@@ -256,12 +257,10 @@ class StreamDL:
             raise TypeError(f"StreamDL wraps a loader over an IterableDataset, not {name}")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise ValueError(f"steps_per_epoch must be a positive int or None, got {steps_per_epoch!r}")
+        super().__init__(dl)
         self.rank, self.world_size, self.collective = rank, world_size, collective
         self.seed, self.split = seed, check_stream_split(split)
         self.steps_per_epoch = steps_per_epoch
-        self.epoch = 0
-        self._dl = dl
-        self._start = 0
         self._real: list[int] = []
         self._resume_state: dict[str, Any] | None = None
         self._global: list[int] = []
@@ -278,26 +277,9 @@ class StreamDL:
                 flush=True,
             )
 
-    # Pass-throughs so code written for a DataLoader keeps working.
-    @property
-    def dl(self) -> DataLoader:
-        return self._dl
-
-    @property
-    def dataset(self) -> Any:
-        return self._dl.dataset
-
     @property
     def batch_size(self) -> int | None:
         return self._dl.batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        return self._dl.drop_last
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the dataset (when it has `set_epoch`, as HF and webdataset streams do) the epoch."""
-        self.epoch = int(epoch)
 
     def state_dict(self) -> dict[str, Any] | None:
         """The state of a self-sharded dataset that offers `state_dict` (as torchdata's stateful
@@ -311,14 +293,6 @@ class StreamDL:
         """Resume the next iteration from `state` (what `state_dict` gave): the dataset continues
         itself, nothing is read twice. Call with the `set_start` of the same step."""
         self._resume_state = state
-
-    def set_start(self, batch_index: int) -> None:
-        """Continue the next iteration at global step `batch_index` (resume): the stream's first
-        items are read and skipped without being collated (generic path), or this rank's first
-        `batch_index` batches are read and dropped (a self-sharded stream)."""
-        if batch_index < 0:
-            raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
-        self._start = int(batch_index)
 
     def _rows_per_step(self) -> int:
         return (self.batch_size or 1) * self.world_size
@@ -359,21 +333,12 @@ class StreamDL:
             seed = mix_seed(self.seed, epoch, "stream first item")
             dataset = RankStream(dataset, self.rank, self.world_size, self.batch_size or 1, skip, seed)
             collate_fn = _TagCollate(dl.collate_fn, batched=dl.batch_size is not None)
-        kwargs: dict[str, Any] = {}
-        if dl.num_workers > 0:
-            kwargs["prefetch_factor"] = dl.prefetch_factor
-        return DataLoader(
+        return self._loader_like_dl(
             dataset,
             batch_size=dl.batch_size,
             drop_last=False,  # a whole global step is dropped or kept, below
             collate_fn=collate_fn,
-            num_workers=dl.num_workers,
-            pin_memory=dl.pin_memory,
-            timeout=dl.timeout,
-            worker_init_fn=dl.worker_init_fn,
-            multiprocessing_context=dl.multiprocessing_context,
             generator=self._worker_generator(epoch),
-            **kwargs,
         )
 
     def _worker_generator(self, epoch: int) -> torch.Generator:

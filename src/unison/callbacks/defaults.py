@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 from unison.callbacks.nonfinite import Mode, NonFiniteCheck
 from unison.callbacks.preemption import OnPreempt, Preemption
 from unison.callbacks.progress import ProgressCallback
@@ -26,7 +28,7 @@ def default_callbacks(
 ) -> list[Callback]:
     """The default callbacks of a learner whose recorder is `recorder`."""
     check = [NonFiniteCheck(on_nonfinite)] if on_nonfinite is not None else []
-    if on_preempt not in (None, "stop", "requeue"):
+    if on_preempt is not None and on_preempt not in get_args(OnPreempt):
         raise ValueError(f"on_preempt must be 'stop', 'requeue' or None, got {on_preempt!r}")
     # "stop" leaves the requeue to UNISON_REQUEUE (a batch script can ask without editing the code)
     preempt = [Preemption(requeue=True if on_preempt == "requeue" else None)] if on_preempt else []

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from unison.learner_view import LearnerView
 
 Mode = Literal["stop", "skip", "anomaly"]
-MODES: tuple[str, ...] = ("stop", "skip", "anomaly")
+MODES: tuple[str, ...] = get_args(Mode)
 _TRAIN_WHAT = ("loss", "gradient")
 
 
@@ -159,10 +159,9 @@ class NonFiniteCheck(Callback):
             return
         self._step_open = True  # the first batch of an optimizer step
         self._losses = []
-        if (
-            self.mode == "skip"
-        ):  # a skipped step's forward passes must not move BatchNorm statistics or counts
-            self._buffers = [(b, b.detach().clone()) for b in self.learn.model.buffers()]
+        # a skipped step's forward passes must not move BatchNorm statistics or counts
+        if self.mode == "skip":
+            self._buffers = _saved_buffers(self.learn.model)
 
     def after_batch(self) -> None:
         if self.learn.training and self.learn.grad_sync:
@@ -264,7 +263,7 @@ class NonFiniteCheck(Callback):
         model = learn.raw_model
         params = [p for p in model.parameters() if p.requires_grad]
         rng = get_rng_state()
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        buffers = _saved_buffers(model)
         pred = learn.pred
         try:
             with (
@@ -288,26 +287,22 @@ class NonFiniteCheck(Callback):
         finally:
             learn.pred = pred
             set_rng_state(rng)
-            with torch.no_grad():
-                for buf, saved in buffers:
-                    buf.copy_(saved)
+            _put_back(buffers)
 
     def _skip(self, error: NonFiniteError) -> None:
         learn = self.learn
-        with torch.no_grad():
-            for buf, saved in self._buffers:
-                buf.copy_(saved)
+        _put_back(self._buffers)
         assert learn.opt is not None
         learn.opt.zero_grad(set_to_none=True)
         learn.loss = None  # not recorded: the epoch's loss is over the steps taken
         self.skipped.append((error.epoch, error.step, error.ranks))
-        if learn.collective.is_main:
-            warnings.warn(
-                f"{error.where()}: skipped that step on every rank (on_nonfinite='skip')",
-                NonFiniteWarning,
-                stacklevel=2,
-            )
+        self._warn_skipped(error, "skipped that step on every rank")
         raise CancelBatchException()
+
+    def _warn_skipped(self, error: NonFiniteError, outcome: str) -> None:
+        """Rank 0 says what "skip" did where `error` would have stopped every rank."""
+        if self.learn.collective.is_main:
+            warnings.warn(f"{error.where()}: {outcome} (on_nonfinite='skip')", NonFiniteWarning, stacklevel=3)
 
     # ---- validation --------------------------------------------------------------------
     def before_validate(self) -> None:
@@ -328,15 +323,22 @@ class NonFiniteCheck(Callback):
         error = NonFiniteError("validation loss", learn.epoch, min(steps), ranks, values[0])
         if self.mode != "skip":
             raise error
-        if learn.collective.is_main:
-            warnings.warn(
-                f"{error.where()}: recorded as nan; no tracker takes it as best (on_nonfinite='skip')",
-                NonFiniteWarning,
-                stacklevel=2,
-            )
+        self._warn_skipped(error, "recorded as nan; no tracker takes it as best")
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _saved_buffers(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each of `model`'s buffers (BatchNorm statistics and counts) with a copy of its values now."""
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def _put_back(buffers: list[tuple[Tensor, Tensor]]) -> None:
+    """Each buffer's values as `_saved_buffers` copied them."""
+    with torch.no_grad():
+        for buf, saved in buffers:
+            buf.copy_(saved)
+
+
 def _local(grad: Tensor) -> Tensor:
     """A sharded (DTensor) gradient's own shard; a plain gradient as it is."""
     to_local = getattr(grad, "to_local", None)

@@ -202,7 +202,9 @@ class Recorder(Callback):
         if self.write is not None:
             self.write(line)
             return
-        progress = self.learn.get_cb(_progress_class())
+        from unison.callbacks.progress import ProgressCallback  # (tqdm loads where a row is printed)
+
+        progress = self.learn.get_cb(ProgressCallback)
         if progress is not None and getattr(progress, "active", False):
             progress.write(line)  # keep live bars intact
         else:
@@ -288,12 +290,6 @@ class Recorder(Callback):
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
-
-
-def _progress_class() -> type[Callback]:
-    from unison.callbacks.progress import ProgressCallback
-
-    return ProgressCallback
 
 
 def _global_means(ranks: list[dict[str, Any]]) -> list[float]:

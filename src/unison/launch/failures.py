@@ -44,12 +44,24 @@ def error_headlines(attempt_dir: str | os.PathLike[str]) -> Iterator[tuple[str, 
         list(error_headlines("/tmp/logs/attempt_0"))
     """
     for error_file in sorted(Path(attempt_dir).glob("rank*.error.json")):
-        try:
-            message = json.loads(error_file.read_text())["message"]
-            headline = str(message["message"] if isinstance(message, dict) else message)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        yield error_file.name.split(".")[0].removeprefix("rank"), headline
+        headline = error_headline(error_file)
+        if headline is not None:
+            yield error_file.name.split(".")[0].removeprefix("rank"), headline
+
+
+def error_headline(error_file: str | os.PathLike[str]) -> str | None:
+    """The error message in torch's error file `error_file` (None if there is none, or it is unreadable)."""
+    try:
+        message = json.loads(Path(error_file).read_text())["message"]
+        return str(message["message"] if isinstance(message, dict) else message)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_attempt(log_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest `attempt_<k>` folder of a launch's logs, or None before the first."""
+    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    return attempts[-1] if attempts else None
 
 
 def said_preempted(log_dir: str, signame: str | None) -> bool:
@@ -67,8 +79,8 @@ def preempted_status(log_dir: str, signame: str | None) -> str | None:
 
         preempted_status("/tmp/logs", "SIGTERM")
     """
-    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    headline = preempted_headline(attempts[-1]) if attempts else None
+    attempt = latest_attempt(log_dir)
+    headline = preempted_headline(attempt) if attempt is not None else None
     if headline is None:
         return None
     said = headline.removeprefix("Preempted:").strip()
@@ -146,9 +158,9 @@ def unreadable_error_files(log_dir: str) -> list[tuple[int, Path]]:
 
         unreadable_error_files("/tmp/logs")  # rank 1 was stopped while writing its error file
     """
-    attempts = sorted(Path(log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    attempt = latest_attempt(log_dir)
     found = []
-    for error_file in sorted(attempts[-1].glob("rank*.error.json")) if attempts else []:
+    for error_file in sorted(attempt.glob("rank*.error.json")) if attempt is not None else []:
         try:
             json.loads(error_file.read_text())
         except ValueError:
@@ -169,7 +181,7 @@ _PEER_LOSS = (
 )
 
 
-def _message(failure: ProcessFailure) -> tuple[str, str]:
+def failure_message(failure: ProcessFailure) -> tuple[str, str]:
     """`(headline, traceback)` from the worker's error file, or empty strings."""
     msg: Any = failure.message
     if isinstance(msg, dict):
@@ -181,7 +193,7 @@ def _message(failure: ProcessFailure) -> tuple[str, str]:
 
 def is_peer_loss(failure: ProcessFailure) -> bool:
     """True when the failure reads like a consequence of another rank going away."""
-    headline, stack = _message(failure)
+    headline, stack = failure_message(failure)
     return any(p in headline or p in stack for p in _PEER_LOSS)
 
 
@@ -220,9 +232,8 @@ def _tail(path: str | None, n: int) -> list[str]:
 
 def _how(failure: ProcessFailure) -> tuple[str, int]:
     """("exit code 3", 3) or ("signal SIGKILL", 137)."""
-    if failure.exitcode < 0:
-        return f"signal {failure.signal_name()}", 128 - failure.exitcode
-    return f"exit code {failure.exitcode}", failure.exitcode or 1
+    code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
+    return exit_phrase(failure.exitcode), code
 
 
 @dataclass(frozen=True)
@@ -358,7 +369,7 @@ def exit_phrase(exitcode: int, oom_before: OomCount | None = None) -> str:
     try:
         name = signal.Signals(-exitcode).name
     except ValueError:
-        name = f"signal {-exitcode}"
+        name = str(-exitcode)  # a real-time signal: its number
     if -exitcode == signal.SIGKILL and oom_before is not None:
         cause = sigkill_cause(oom_before)
         if cause.startswith(("killed by", "possibly killed by")):
@@ -377,7 +388,7 @@ def failure_summary(
     """
     rank, failure = root_cause(err)
     how, code = _how(failure)
-    headline, stack = _message(failure)
+    headline, stack = failure_message(failure)
     body = stack.rstrip("\n").splitlines()[-lines:] if stack else []
     if not body and logs is not None:
         body = _tail(logs.stderr_files.get(failure.local_rank), lines)

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -32,11 +33,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
+from unittest import mock
 
 from unison.distributed.network import UnresolvedHost, interface_for, port_in_use, resolve
 from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LAUNCHER_THREADS_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
-from unison.launch.environ import exported, quiet_torch_logs
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.lighthouse import (
     LighthouseOptionError,
@@ -56,7 +57,6 @@ from unison.launch.options import (
     torchrun_choices,
 )
 from unison.launch.rendezvous import (
-    BOUNDED_C10D,
     WatchWorkers,
     check_rdzv_endpoint,
     private_rendezvous_file,
@@ -364,7 +364,7 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
 
     from unison.distributed.env import huge_pages_env, threads_per_worker
     from unison.launch.logs import RankLogsSpecs
-    from unison.launch.torch_compat import launch_config
+    from unison.launch.torch_compat import BOUNDED_C10D, launch_config, register_bounded_c10d
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
     others = {} if os.environ.get("OMP_NUM_THREADS") else other_launches()  # their workers share the cores
@@ -396,7 +396,6 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         run_id, local_addr = uuid.uuid4().hex, "127.0.0.1"
         backend, endpoint = "c10d", private_rendezvous_file(run_id)
         configs: dict[str, object] = {"store_type": "file"}
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.mode == "static" and opts.max_nodes == 1 and opts.max_restarts:  # restartable: c10d, here
         backend, endpoint, run_id = "c10d", f"{opts.master_addr}:{opts.master_port}", uuid.uuid4().hex
         local_addr, configs = opts.master_addr, {"is_host": True}
@@ -414,8 +413,6 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
         configs = {"join_timeout": wait} if wait else {}
         configs.update(rdzv_store_configs(endpoint, wait))  # the endpoint's owner hosts the store
         if backend == "c10d":  # each store call ends within read_timeout, also across a cut link
-            from unison.launch.bounded_rendezvous import register_bounded_c10d  # (loads torch)
-
             backend = register_bounded_c10d()
     if backend in ("c10d", BOUNDED_C10D):
         # A restarted worker must not read the previous attempt's keys (gloo/NCCL addresses) from a
@@ -510,7 +507,11 @@ def launch(opts: LaunchOptions) -> int:
                 plan.env[LIGHTHOUSE_ENV] = lighthouse
             bars = relay.env() if relay else {}
             warm_env = zygote.env() if zygote else {}
-            with _heartbeats(opts) as beats, exported({**plan.env, **beats, **bars, **warm_env}):
+            # Exported for torch's agent, which passes os.environ on to the workers; put back after it.
+            with (
+                _heartbeats(opts) as beats,
+                mock.patch.dict(os.environ, {**plan.env, **beats, **bars, **warm_env}),
+            ):
                 launch_agent(plan.config, sys.executable, plan.args)
         return 0
     except ChildFailedError as err:
@@ -606,6 +607,18 @@ def _start_zygote() -> Zygote:
     import torch  # noqa: F401  (the zygote shares this import with the launcher)
 
     return Zygote.start(fork=fork)
+
+
+def quiet_torch_logs(verbose: bool) -> None:
+    """torch's agent logs every step at WARNING/ERROR; the summary says what matters."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.INFO if verbose else logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        if verbose:
+            logger.setLevel(logging.INFO)
 
 
 def _heartbeats(opts: LaunchOptions) -> contextlib.AbstractContextManager[dict[str, str]]:

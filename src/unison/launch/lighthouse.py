@@ -10,7 +10,9 @@ One `unison launch` is one replica group: with `--max-restarts N` its elastic ag
 group alone when one of its processes dies, while the other replica groups (other launches) keep
 training.
 
->>> replica_options(_args(lighthouse="http://host:29510", replica_id="a")).env()
+>>> parser = argparse.ArgumentParser()
+>>> add_replica_options(parser)
+>>> replica_options(parser.parse_args(["--lighthouse", "http://host:29510", "--replica-id", "a"])).env()
 {'TORCHFT_LIGHTHOUSE': 'http://host:29510', 'UNISON_REPLICA_ID': 'a'}
 """
 
@@ -26,7 +28,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from unison.distributed.lighthouse import (
     HEARTBEAT_TIMEOUT_MS,
@@ -62,7 +63,7 @@ class ReplicaOptions:
     lighthouse: str | None = None
     start_lighthouse: bool = False
     min_replicas: int = 1
-    lighthouse_port: int = 29510
+    lighthouse_port: int = DEFAULT_PORT
     replica_id: str | None = None
     #: the started lighthouse's timings (`unison lighthouse`'s options of the same names, in ms)
     join_timeout_ms: int = JOIN_TIMEOUT_MS
@@ -121,14 +122,13 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
     timings = {field: getattr(a, field, None) for _, field, _ in _TIMINGS}
     for flag, field, _ in _TIMINGS:
-        if timings[field] is not None and not a.start_lighthouse:
-            raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
         value = timings[field]
-        if value is not None and value < 1:
+        if value is not None and value < 1 and a.start_lighthouse:
             raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {value}")
-    for name in ("min_replicas", "lighthouse_port"):
-        if getattr(a, name) is not None and not a.start_lighthouse:
-            raise LighthouseOptionError(f"--{name.replace('_', '-')} needs --start-lighthouse")
+    started_only = [("--min-replicas", a.min_replicas), ("--lighthouse-port", a.lighthouse_port)]
+    for flag, value in [(flag, timings[field]) for flag, field, _ in _TIMINGS] + started_only:
+        if value is not None and not a.start_lighthouse:
+            raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
     if a.min_replicas is not None and a.min_replicas < 1:
         raise LighthouseOptionError(f"--min-replicas must be at least 1, got {a.min_replicas}")
     if a.lighthouse_port is not None and not 0 <= a.lighthouse_port < 65536:
@@ -160,13 +160,9 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
         yield None
         return
     cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
-    cmd += ["--port", str(opts.lighthouse_port), "--join-timeout-ms", str(opts.join_timeout_ms)]
-    cmd += [
-        "--quorum-tick-ms",
-        str(opts.quorum_tick_ms),
-        "--heartbeat-timeout-ms",
-        str(opts.heartbeat_timeout_ms),
-    ]
+    cmd += ["--port", str(opts.lighthouse_port)]
+    for flag, field, _ in _TIMINGS:  # `unison lighthouse`'s options of the same names, less "lighthouse-"
+        cmd += [flag.replace("--lighthouse-", "--"), str(getattr(opts, field))]
     env = {**os.environ, LIGHTHOUSE_PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
@@ -189,9 +185,3 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=5)
-
-
-def _args(**given: Any) -> argparse.Namespace:
-    """The parsed options with these set (the module's example)."""
-    blank = {"lighthouse": None, "start_lighthouse": False, "min_replicas": None}
-    return argparse.Namespace(**{**blank, "lighthouse_port": None, "replica_id": None, **given})

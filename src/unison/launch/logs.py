@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import re
@@ -17,14 +16,14 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
-from pathlib import Path
 from typing import Any, TextIO, cast
 
-from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
 
 from unison.launch.failures import (
     OomCount,
     deterministic_failure,
+    error_headline,
     error_headlines,
     exit_phrase,
     oom_count,
@@ -37,7 +36,24 @@ from unison.launch.torch_compat import StorePortHold
 __all__ = ["RankLogsSpecs", "RestartRefused", "pointless_restart"]
 
 
-class RankLogsSpecs(LogsSpecs):
+class HeldPortLogsSpecs(DefaultLogsSpecs):
+    """torch's own logs (`unison.spawn`'s), with each attempt's store port held (`StorePortHold`).
+
+    reify is torch's one per-attempt hook that sees the workers' environments before they start.
+
+    >>> specs = HeldPortLogsSpecs(log_dir="/tmp/logs")
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.store_port = StorePortHold()
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self.store_port.assign(envs)
+        return super().reify(envs)
+
+
+class RankLogsSpecs(HeldPortLogsSpecs):
     """Where torch's agent sends each worker's output: files per rank, tailed to the console.
 
     Every rank's stdout and stderr go to `<log_dir>/attempt_<k>/rank<R>.stdout.log` and
@@ -46,6 +62,7 @@ class RankLogsSpecs(LogsSpecs):
     (`[rank0] `): both streams of every rank, except local ranks outside `ranks_filter`
     (torchrun's `--local-ranks-filter`) and the streams `redirects` keeps off the console
     (torchrun's `--redirects`: "1" stdout, "2" stderr, "3" both, or "0:1,1:3" per local rank).
+    Each attempt's store port is held as `HeldPortLogsSpecs` holds it (`reify` is its own here).
 
     >>> specs = RankLogsSpecs("/tmp/logs", ranks_filter={0}, redirects="0")
     """
@@ -57,7 +74,7 @@ class RankLogsSpecs(LogsSpecs):
         redirects: str = "0",
         replica: str | None = None,
     ) -> None:
-        super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
+        super().__init__(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         self.ranks_filter = None if ranks_filter is None else frozenset(ranks_filter)
         self.console_off = Std.from_str(redirects)
         #: local rank -> stderr file of the latest attempt (the summary's fallback when no traceback)
@@ -72,9 +89,6 @@ class RankLogsSpecs(LogsSpecs):
         self.replica = replica  # this launch is one torchft replica group (`--replica-id`): its name
         self.on_attempt: Callable[[], None] | None = None  # called as each attempt starts (bar relay)
         self._consoles: tuple[_Console, ...] = ()  # the console's streams while `console_guard` holds them
-        # The workers' store port, held from the attempt's start (reify is torch's one per-attempt
-        # hook that sees the workers' environments before they start).
-        self.store_port = StorePortHold()
 
     def on_console(self, local_rank: int, stream: Std) -> bool:
         """True when `stream` (Std.OUT or Std.ERR) of `local_rank` is shown on the console."""
@@ -84,10 +98,6 @@ class RankLogsSpecs(LogsSpecs):
         if isinstance(off, dict):
             off = off.get(local_rank, Std.NONE)
         return not off & stream
-
-    @property
-    def root_log_dir(self) -> str:
-        return str(self._root_log_dir)
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         if self.on_attempt is not None:
@@ -156,7 +166,9 @@ class RankLogsSpecs(LogsSpecs):
         silent = self._silent_culprit(attempt_dir, rank, exitcode)
         if silent is not None:
             rank, exitcode = silent, -signal.SIGKILL
-        headline = _headline(os.path.join(attempt_dir, f"rank{rank}.error.json")) if exitcode >= 0 else None
+        headline = (
+            error_headline(os.path.join(attempt_dir, f"rank{rank}.error.json")) if exitcode >= 0 else None
+        )
         how = exit_phrase(exitcode, self.oom_kills)
         if self.replica is not None:
             return f": worker rank {rank} exited with {how}{': ' + headline if headline else ''}"
@@ -171,7 +183,7 @@ class RankLogsSpecs(LogsSpecs):
         When the OOM killer fired during the attempt and exactly one other rank left no error file,
         that rank is the one it killed."""
         noted = os.path.join(attempt_dir, f"rank{rank}.error.json")
-        reacted = exitcode == -signal.SIGTERM or reacted_to_a_peer(_headline(noted))
+        reacted = exitcode == -signal.SIGTERM or reacted_to_a_peer(error_headline(noted))
         if not reacted or oom_kills_since(self.oom_kills) is None:
             return None
         silent = [
@@ -235,32 +247,8 @@ class RankLogsSpecs(LogsSpecs):
             )
 
 
-def _headline(error_file: str) -> str | None:
-    """The error message in torch's error file `error_file` (None if there is none, or it is unreadable)."""
-    try:
-        message = json.loads(Path(error_file).read_text())["message"]
-        return str(message["message"] if isinstance(message, dict) else message)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 #: The prefix torch's tailer puts before each piece of a rank's output it read (`[rank1] `).
 _RANK_PREFIX = re.compile(r"\[[^\]\n]*\] ?")
-
-
-class HeldPortLogsSpecs(DefaultLogsSpecs):
-    """torch's own logs (`unison.spawn`'s), with each attempt's store port held as `RankLogsSpecs` does.
-
-    >>> specs = HeldPortLogsSpecs(log_dir="/tmp/logs")
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.store_port = StorePortHold()
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        self.store_port.assign(envs)
-        return super().reify(envs)
 
 
 class _Console(io.TextIOBase):

@@ -228,8 +228,9 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
             "--redirects and --local-ranks-filter choose what the console shows); use torchrun for a plugin"
         )
     notes: list[str] = []
+    single = a.nnodes.split(":")[-1] == "1"  # at most one machine
     if a.standalone:  # torchrun: one machine, a fresh rendezvous; explicit rendezvous values are ignored
-        if a.rdzv_endpoint or a.master_port is not None or a.nnodes.split(":")[-1] not in ("1",):
+        if a.rdzv_endpoint or a.master_port is not None or not single:
             raise LaunchError(
                 "--standalone is one machine with its own rendezvous: drop --nnodes/--rdzv-endpoint/"
                 "--master-port, or drop --standalone for a multi-machine job"
@@ -244,10 +245,9 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
     elif backend == "static":
         pass  # --master-addr/--master-port, as unison always read them
     elif backend is not None and not a.rdzv_endpoint:
-        if a.nnodes.split(":")[-1] != "1":
+        if not single:
             raise LaunchError(f"--rdzv-backend {backend} across machines needs --rdzv-endpoint HOST:PORT")
         backend = None  # one machine: unison's own rendezvous (a free port) is the same thing
-    single = a.nnodes.split(":")[-1] == "1"
     if a.rdzv_endpoint and a.rdzv_endpoint.rpartition(":")[2] == "0" and single:
         a.rdzv_endpoint = None  # torchrun's "localhost:0": a free port here, unison's standalone mode
     if a.rdzv_endpoint and a.node_rank is not None:
@@ -256,14 +256,9 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
     if a.rdzv_endpoint and (a.master_addr or a.master_port is not None):
         notes.append("--master-addr/--master-port are ignored with --rdzv-endpoint (as torchrun does)")
         a.master_addr = a.master_port = None
-    agent: dict[str, Any] = {
-        "role": a.role,
-        "monitor_interval": a.monitor_interval,
-        "start_method": a.start_method,
-        "event_log_handler": a.event_log_handler,
-        "signals_to_handle": _signals(a.signals_to_handle),
-        "virtual_local_rank": a.virtual_local_rank,
-    }
+    as_given = ("role", "monitor_interval", "start_method", "event_log_handler", "virtual_local_rank")
+    agent: dict[str, Any] = {name: getattr(a, name) for name in as_given}
+    agent["signals_to_handle"] = _signals(a.signals_to_handle)
     if not a.monitor_interval > 0:
         raise LaunchError(f"--monitor-interval must be positive (seconds), got {a.monitor_interval}")
     if a.shutdown_timeout is not None:

@@ -132,9 +132,6 @@ class WatchWorkers:
             end_leftovers(gone, me)
 
 
-#: torch's c10d rendezvous with a deadline on every store call (unison.launch.bounded_rendezvous).
-BOUNDED_C10D = "unison-c10d"
-
 #: The key torch's c10d rendezvous backend creates first in its store (`C10dRendezvousBackend`).
 RDZV_KEY_PREFIX = "torch.rendezvous."
 

@@ -21,6 +21,7 @@ import types
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -29,6 +30,7 @@ from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.heartbeat_store import heartbeat_store
 from unison.env_names import TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
+from unison.launch.failures import failure_message
 from unison.launch.rendezvous import WatchWorkers
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -142,7 +144,9 @@ def spawn(
             relay.console() if relay else contextlib.nullcontext(),
         ):
             run = elastic_launch(config, _worker)
-            results = run(fn, args, kwargs, _threads(nprocs), timeout, method == "fork")
+            # Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the
+            # cores (inside a `unison launch` worker: of that worker's share).
+            results = run(fn, args, kwargs, threads_for_spawned(nprocs), timeout, method == "fork")
     except ChildFailedError as exc:
         raise _spawn_error(exc.failures) from None
     except SignalException as exc:
@@ -198,25 +202,17 @@ def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
     # Workers get their own MASTER_PORT (a free one) instead of sharing the agent's store: with a
     # shared store torch makes every rank a client of `init_method="tcp://host:port"` too, so a
     # group the user makes on a port of their choosing (examples/mp_spawn.py) would wait forever for a server.
-    huge_pages = huge_pages_env()  # as `unison launch` exports (a fresh interpreter reads it at start)
-    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", *huge_pages, *extra_env)
-    saved_env = {name: os.environ.get(name) for name in names}
+    # Huge pages as `unison launch` exports them (a fresh interpreter reads the variable at start).
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **huge_pages_env(), **extra_env}
     in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
     saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    os.environ.update(huge_pages)
-    os.environ.update(extra_env)
     try:
-        yield
+        with mock.patch.dict(os.environ, env):  # also puts back TORCHELASTIC_SIGNALS_TO_HANDLE, the agent's
+            yield
     finally:
         for name, handler in saved_handlers.items():
             if handler is not None:
                 signal.signal(getattr(signal, name), handler)
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # Start method. "spawn" (fresh interpreters) is torch's default and the safe one: nothing of the
@@ -258,12 +254,6 @@ def _check_picklable(obj: Any, fresh_interpreter: bool) -> None:
 
     with open(os.devnull, "wb") as sink:
         Probe(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-
-
-def _threads(nprocs: int) -> int:
-    """Intra-op threads per worker: the user's OMP_NUM_THREADS if set, else an even share of the cores
-    (inside a `unison launch` worker: of that worker's share)."""
-    return threads_for_spawned(nprocs)
 
 
 def _worker(
@@ -342,11 +332,9 @@ def _user_frames(traceback: str) -> str:
 
 def _describe(failure: Any) -> tuple[str, str]:
     """(one-line error, traceback text) of a torch elastic ProcessFailure."""
-    message = failure.error_file_data.get("message")
-    if isinstance(message, dict):
-        return str(message.get("message", "")), str(message.get("extraInfo", {}).get("py_callstack", ""))
-    if isinstance(message, str) and message not in ("", "<NONE>"):  # <NONE>: no error file was written
-        return message, ""
+    error, traceback = failure_message(failure)  # from its error file, if it wrote one
+    if error or traceback:
+        return error, traceback
     if failure.exitcode < 0:
         return f"killed by signal {failure.signal_name()}", ""
     return "the process exited without a Python traceback (see its output above)", ""

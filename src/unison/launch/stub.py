@@ -22,7 +22,7 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["FORWARDED", "REQUEST_HEADER", "catchable_signals", "run_in_zygote"]
+__all__ = ["FORWARDED", "REQUEST_HEADER", "catchable_signals", "end_as", "run_in_zygote"]
 
 #: The signals a stub passes on to its worker (torch's agent's death signal, the preemption ones).
 FORWARDED = (
@@ -81,7 +81,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _end_as(code: int) -> NoReturn:
+def end_as(code: int) -> NoReturn:
     """Exit with `code` as waitstatus_to_exitcode gives it: negative means killed by that signal."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -143,5 +143,5 @@ def run_in_zygote(path: str, argv: list[str]) -> None:
         forward(signum, None)
     line = reader.readline()
     if line.startswith("status "):
-        _end_as(int(line.split()[1]))
-    _end_as(-int(signal.SIGKILL))  # the zygote died, and the worker with it (its parent-death signal)
+        end_as(int(line.split()[1]))
+    end_as(-int(signal.SIGKILL))  # the zygote died, and the worker with it (its parent-death signal)

@@ -54,6 +54,7 @@ from typing import NoReturn
 
 from unison.env_names import LAUNCHER_PID_ENV, ZYGOTE_ENV
 from unison.launch.group_keeper import GroupKeeper
+from unison.launch.stub import end_as
 
 _PR_SET_PDEATHSIG = 1
 #: The worker's arguments before the target, by the launcher's entry kind (see `options.TorchrunChoices`).
@@ -62,19 +63,22 @@ ENTRY_FLAGS: dict[str, tuple[str, ...]] = {"script": (), "module": ("-m",), "pro
 
 def die_with_launcher() -> None:
     """Ask the kernel to SIGKILL this process when its parent (torch's agent) dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
+    if sys.platform.startswith("linux"):
+        expected = os.environ.get(LAUNCHER_PID_ENV, "")
+        die_with_parent(int(expected) if expected.isdigit() else None)
+
+
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when its parent dies (Linux `PR_SET_PDEATHSIG`); end now if the parent
+    is no longer `parent` (it died before the request: nobody is left to supervise this process)."""
     import ctypes
-    import signal
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    expected = os.environ.get(LAUNCHER_PID_ENV)
-    if expected and expected.isdigit() and os.getppid() != int(expected):
-        os._exit(1)  # the launcher died before we could register: nobody is left to supervise us
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def set_threads() -> int:
@@ -170,14 +174,6 @@ def publish_error_file(final: str | None) -> None:
     except (OSError, ValueError):  # torn (a full disk) or unreadable: no file beats a bad one
         with contextlib.suppress(OSError):
             os.remove(staged)
-
-
-def _die_by_sigint() -> None:
-    """End as an interrupted Python does (killed by SIGINT), so the launcher reports the signal."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def exit_status(exc: SystemExit) -> int:
@@ -296,8 +292,8 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
         if getattr(hook, "__name__", "") == "_distributed_excepthook":
             hook = hook_before  # torch's "[rankN]: " prefix: the launcher prefixes every line already
         hook(type(exc), exc, exc.__traceback__)
-        if interrupted:  # Ctrl-C: the traceback once, with one prefix, then the signal's exit
-            _die_by_sigint()
+        if interrupted:  # Ctrl-C: the traceback once, with one prefix, then end as an interrupted Python
+            end_as(-signal.SIGINT)  # does (killed by SIGINT), so the launcher reports the signal
         end_process(1)
     end_process(0)
 

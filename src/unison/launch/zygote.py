@@ -57,6 +57,7 @@ from typing import NoReturn, cast
 from unison.env_names import LAUNCHER_PID_ENV, PRELOADED_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
 from unison.launch.stub import REQUEST_HEADER, catchable_signals
+from unison.launch.worker import die_with_parent
 
 __all__ = ["PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
 
@@ -74,7 +75,6 @@ PRELOAD = (
     "unison",
     "unison.launch.worker",
 )
-_PR_SET_PDEATHSIG = 1
 # Variables read once, when a library loads (the dynamic loader, Python, libgomp, MKL, OpenBLAS,
 # torch's allocator, logging and compiler settings): a worker forked from a zygote that loaded
 # under another value would silently run with the zygote's, so such a worker starts cold instead.
@@ -95,16 +95,6 @@ def warm_start_allowed(environ: Mapping[str, str], gpus: object, backend: str | 
     if gpus is not None or backend == "nccl" or not sys.platform.startswith("linux"):
         return False
     return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` dies (Linux); end now if it already has."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 # ---- the launcher's side ---------------------------------------------------------------------
@@ -234,28 +224,17 @@ def loaded_differently(env: Mapping[str, str], loaded: Mapping[str, str]) -> str
     return None
 
 
-def _read_exact(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("the stub went away mid-request")
-        data += chunk
-    return data
-
-
 def _receive_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
     """A stub's request: its three standard streams (passed as descriptors) and what to run."""
     head, fds, _, _ = socket.recv_fds(conn, REQUEST_HEADER.size, 3)
-    if len(head) < REQUEST_HEADER.size:
-        head += _read_exact(conn, REQUEST_HEADER.size - len(head))
-    (size,) = REQUEST_HEADER.unpack(head)
-    request = json.loads(_read_exact(conn, size))
-    if len(fds) != 3:
+    stream = conn.makefile("rb")  # reads whole lengths: the rest of a request may come in pieces
+    head += stream.read(REQUEST_HEADER.size - len(head))
+    if len(fds) != 3 or len(head) != REQUEST_HEADER.size:
         for fd in fds:
             os.close(fd)
-        raise ConnectionError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
-    return request, fds
+        raise ConnectionError(f"expected a request and 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
+    (size,) = REQUEST_HEADER.unpack(head)
+    return json.loads(stream.read(size)), fds
 
 
 def _reseed() -> None:
@@ -273,7 +252,7 @@ def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> N
     """In the forked child: take the stub's streams, environment and folder, then run the bootstrap."""
     try:
         os.setsid()  # as torch's agent starts a cold worker: its own session
-        _die_with_parent(zygote)
+        die_with_parent(zygote)
         signal.set_wakeup_fd(-1)
         # Each signal handled as in a cold worker, which its stub is: ignored where the stub's ignored
         # (SIGPIPE by every interpreter: a write to a dead peer's socket raises EPIPE instead of
@@ -321,7 +300,7 @@ def serve(path: str) -> NoReturn:
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
     loaded = dict(os.environ)
     if launcher.isdigit():
-        _die_with_parent(int(launcher))
+        die_with_parent(int(launcher))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(128)

@@ -43,17 +43,14 @@ def generators_kept(device: torch.device | None = None) -> Iterator[None]:
     >>> bool((torch.get_rng_state() == a).all())
     True
     """
-    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    gpu = device if device is not None and device.type == "cuda" else None
-    gpu_state = torch.cuda.get_rng_state(gpu) if gpu is not None else None
+    py_state, np_state = random.getstate(), np.random.get_state()
+    gpus = [device] if device is not None and device.type == "cuda" else []
     try:
-        yield
+        with torch.random.fork_rng(devices=gpus):  # torch's CPU generator and the GPU's
+            yield
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-        torch.set_rng_state(cpu_state)
-        if gpu is not None and gpu_state is not None:
-            torch.cuda.set_rng_state(gpu_state, gpu)
 
 
 @contextmanager
@@ -90,9 +87,8 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"set_seed needs a non-negative int, got {seed!r}")
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_generators(seed)
+    torch.manual_seed(seed)  # every GPU's generator too
     if deterministic:
         os.environ.setdefault(CUBLAS_ENV, ":4096:8")  # a user's own choice (":16:8") is kept
         torch.use_deterministic_algorithms(True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from unison.data.stream import loader_length, stream_length
+
 
 def refuse_empty_train(dl: Any, name: str = "dls.train") -> None:
     """Raise `ValueError` naming `name` when the train loader would yield no batch at all.
@@ -18,14 +20,7 @@ def refuse_empty_train(dl: Any, name: str = "dls.train") -> None:
     ValueError: fit: the train loader (dls.train) is empty: its dataset (TensorDataset) has 0 items, ...
     """
     dataset = getattr(dl, "dataset", None)
-    try:
-        items: int | None = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        items = None
-    try:
-        batches: int | None = len(dl)
-    except TypeError:
-        batches = None
+    items, batches = stream_length(dataset), loader_length(dl)
     if items == 0:
         raise ValueError(
             f"fit: the train loader ({name}) is empty: its dataset ({type(dataset).__name__}) has 0 items, "

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from unison.data.permutation import PermutedOrder, draw_key
-from unison.data.plan import draw_order
+from unison.data.permutation import draw_key
+from unison.data.plan import Order, draw_order
 
 __all__ = ["DrawnOrder"]
 
@@ -75,7 +75,7 @@ class DrawnOrder:
         self._start = dict(state)
         self._starts, self._last = [self._start], None
 
-    def order(self, sampler: Any, epoch: int, scalable: bool = False) -> Tensor | list[Any] | PermutedOrder:
+    def order(self, sampler: Any, epoch: int, scalable: bool = False) -> Order:
         """What `sampler` (the loader's sampler, or its batch sampler) yields in `epoch`."""
         if self._last is not None and self._last[0] == epoch:
             return self._last[1]

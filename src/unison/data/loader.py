@@ -30,8 +30,8 @@ from torch.utils.data.distributed import DistributedSampler
 from unison.data.drawn import DrawnOrder
 from unison.data.fetch import SeededItems, _TensorBatches, fetched_through
 from unison.data.item_draws import item_seed
-from unison.data.permutation import PermutedOrder, pick_order
-from unison.data.plan import PositionPlan, RankPlan, as_order, dealt_plan, sampler_order, strided_plan
+from unison.data.permutation import pick_order
+from unison.data.plan import Order, PositionPlan, RankPlan, as_order, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import RankShare, is_rank_sharded
 from unison.rng import mix_seed
 
@@ -212,22 +212,23 @@ class DistributedDL(RankShare):
         order = self._order_tensor(epoch)
         return order.tolist() if isinstance(order, torch.Tensor) else order
 
-    def _order_tensor(self, epoch: int) -> torch.Tensor | list[Any] | PermutedOrder:
+    def _order_tensor(self, epoch: int) -> Order:
         if self.joined:
             return as_order([i for batch in self._dealt_batches(epoch) for i in batch])
+        return self._drawn_order(self.sampler, epoch, self.order == "scalable")
+
+    def _drawn_order(self, sampler: Any, epoch: int, scalable: bool = False) -> Order:
+        """What `sampler` (the loader's sampler or batch sampler) yields in `epoch`: as `dl` itself
+        draws it (`drawn`), else a function of the seed and the epoch."""
         if self.drawn is not None:
-            return self.drawn.order(self.sampler, epoch, self.order == "scalable")
-        return sampler_order(self.sampler, mix_seed(self.seed, epoch), epoch, self.order == "scalable")
+            return self.drawn.order(sampler, epoch, scalable)
+        return sampler_order(sampler, mix_seed(self.seed, epoch), epoch, scalable)
 
     def _dealt_batches(self, epoch: int) -> list[list[Any]]:
         """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""
         if self._dealt_cache is None or self._dealt_cache[0] != epoch:
-            batch_sampler = self._dl.batch_sampler
-            if self.drawn is not None:
-                batches = self.drawn.order(batch_sampler, epoch)
-            else:
-                batches = sampler_order(batch_sampler, mix_seed(self.seed, epoch), epoch)
             # A batch sampler's order is a list of batches (an empty one a tensor), never a PermutedOrder.
+            batches = self._drawn_order(self._dl.batch_sampler, epoch)
             self._dealt_cache = (epoch, [list(b) for b in cast("torch.Tensor | list[Any]", batches)])
         return self._dealt_cache[1]
 

@@ -22,6 +22,9 @@ from torch.utils.data import RandomSampler, SequentialSampler
 
 from unison.data.permutation import CHUNK_ITEMS, PermutedOrder, draw_key
 
+# An epoch's order: dataset indices as an int64 tensor, other keys as a list, or one evaluated per position.
+Order = Tensor | list[Any] | PermutedOrder
+
 
 def _fast_order(
     sampler: Any, generator: torch.Generator | None, run_to_end: bool = False
@@ -55,7 +58,7 @@ def as_order(items: list[Any]) -> Tensor | list[Any]:
 
 def draw_order(
     sampler: Any, generator: torch.Generator | None, scalable: bool = False, run_to_end: bool = False
-) -> Tensor | list[Any] | PermutedOrder:
+) -> Order:
     """What `sampler` yields drawing from `generator` (its `generator` for the draw, then restored;
     None: as it draws without one, from the global generator, which the caller pins), by `_fast_order`
     where it can and by iterating it otherwise (`as_order`). With `scalable`, the `PermutedOrder` keyed
@@ -74,9 +77,7 @@ def draw_order(
             sampler.generator = saved
 
 
-def sampler_order(
-    sampler: Any, seed: int, epoch: int, scalable: bool = False
-) -> Tensor | list[Any] | PermutedOrder:
+def sampler_order(sampler: Any, seed: int, epoch: int, scalable: bool = False) -> Order:
     """What `sampler` yields for `epoch`, drawn under `seed` (its generator and the global RNG pinned,
     both restored): an int64 tensor when the indices are ints, else a list. With `scalable` (a
     shuffle of every item once, see `pick_order`), the constant-memory `PermutedOrder` keyed from
@@ -124,7 +125,7 @@ class RankPlan:
 
 
 def strided_plan(
-    order: Tensor | list[Any] | PermutedOrder,
+    order: Order,
     rank: int,
     world_size: int,
     batch_size: int,

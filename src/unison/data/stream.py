@@ -203,7 +203,7 @@ def _bits(value: int | None) -> list[int]:
 
 
 def stream_length(dataset: Any) -> int | None:
-    """`len(dataset)` when the dataset tells it, else None."""
+    """`len(dataset)` (or of a loader) when it tells it, else None."""
     try:
         return len(dataset)
     except TypeError:
@@ -217,12 +217,7 @@ def loader_length(dl: Any) -> int | None:
     3
     """
     length = getattr(dl, "length", None)
-    if callable(length):
-        return length()
-    try:
-        return len(dl)
-    except TypeError:
-        return None
+    return length() if callable(length) else stream_length(dl)
 
 
 class StreamDL(RankShare):

@@ -82,8 +82,8 @@ def check_per_item_loss(loss_func: Any) -> None:
 
 def per_item_loss(loss_func: Any, pred: Any, *targets: Any) -> Tensor:
     """`loss_func` unreduced (one value per item, or per token), through its `reduction` attribute
-    as torch's losses have it (`nn.CrossEntropyLoss()`: a module, typed Any for that attribute)."""
-    check_per_item_loss(loss_func)
+    as torch's losses have it (`nn.CrossEntropyLoss()`: a module, typed Any for that attribute;
+    `collect_preds` checked that it has one)."""
     saved = loss_func.reduction
     loss_func.reduction = "none"
     try:

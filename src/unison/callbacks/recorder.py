@@ -51,7 +51,7 @@ class Recorder(Callback):
         self._batch_sizes: list[float] = []
         self._n_resumed = 0
         self._resumed_means: list[float] = []  # the global losses of the batches resumed mid-epoch
-        self._carry = (torch.zeros(()), torch.zeros(()))
+        self._carry = torch.zeros(2)  # (sum of loss x batch size, sum of batch sizes)
         self._header_done = False
         self._pending_partial: dict[str, Any] | None = None
         # Which phases our `before_*` opened: a callback of lower order may cancel a phase
@@ -85,16 +85,13 @@ class Recorder(Callback):
 
     def before_train(self) -> None:
         self._open.add("train")
-        self._batch_losses, self._batch_sizes = [], []
-        self._carry = (torch.zeros(()), torch.zeros(()))
-        self._n_resumed, self._resumed_means = 0, []
-        if self._pending_partial is not None:  # resuming mid-epoch: what this rank had so far
-            partial, self._pending_partial = self._pending_partial, None
-            self._resumed_means = list(partial["means"])
-            self._batch_losses = list(partial["losses"])
-            self._batch_sizes = [float(n) for n in partial["sizes"].tolist()]
-            self._carry = (partial["carry"][0], partial["carry"][1])
-            self._n_resumed = len(self._batch_losses)
+        # resuming mid-epoch: what this rank had so far; else an epoch from its start
+        partial, self._pending_partial = self._pending_partial or _empty_partial(), None
+        self._resumed_means = list(partial["means"])
+        self._batch_losses = list(partial["losses"])
+        self._batch_sizes = [float(n) for n in partial["sizes"].tolist()]
+        self._carry = partial["carry"]
+        self._n_resumed = len(self._batch_losses)
 
     def before_validate(self) -> None:
         self._open.add("validate")
@@ -227,7 +224,7 @@ class Recorder(Callback):
             if self._batch_losses
             else torch.zeros(0),
             "sizes": torch.tensor(self._batch_sizes, dtype=torch.float64),
-            "carry": torch.stack([self._carry[0].float().cpu(), self._carry[1].float().cpu()]),
+            "carry": self._carry.float().cpu(),
         }
         return {"ranks": self.learn.collective.gather_objects(own)}
 
@@ -240,11 +237,6 @@ class Recorder(Callback):
             return
         ranks = partial["ranks"]
         means = _global_means(ranks)  # (the same on every rank, at any number of processes)
-        empty = {
-            "losses": torch.zeros(0),
-            "sizes": torch.zeros(0, dtype=torch.float64),
-            "carry": torch.zeros(2),
-        }
         if len(ranks) == world_size:
             self._pending_partial = {**ranks[rank], "means": means}
         elif rank == 0:
@@ -254,7 +246,7 @@ class Recorder(Callback):
                 carry = carry + r["carry"] + sums.float()  # float32, as every other rank's carry
             self._pending_partial = {**ranks[0], "carry": ranks[0]["carry"] + carry, "means": means}
         else:
-            self._pending_partial = {**empty, "means": means}
+            self._pending_partial = _empty_partial(means)
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self.values, "times": self.times, "losses": self.losses, "lrs": self.lrs}
@@ -290,6 +282,13 @@ class Recorder(Callback):
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _empty_partial(means: list[float] | None = None) -> dict[str, Any]:
+    """The partial state of a rank with no batch of the epoch (`means`: the resumed batches' global
+    losses, which every rank keeps)."""
+    empty = {"losses": torch.zeros(0), "sizes": torch.zeros(0, dtype=torch.float64), "carry": torch.zeros(2)}
+    return {**empty, "means": means or []}
 
 
 def _global_means(ranks: list[dict[str, Any]]) -> list[float]:

@@ -278,12 +278,9 @@ def safe_load(
     verify_integrity(path)
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} holds objects that are not plain tensors or values: {_refusal(exc)}"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        if "weights_only" in str(exc):  # the weights-only loader's refusal, wrapped otherwise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        # The weights-only loader's refusal: an UnpicklingError, or wrapped in another error.
+        if isinstance(exc, pickle.UnpicklingError) or "weights_only" in str(exc):
             raise CheckpointError(
                 f"{path} holds objects that are not plain tensors or values: {_refusal(exc)}"
             ) from None

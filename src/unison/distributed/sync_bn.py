@@ -56,9 +56,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         else:  # an empty rank contributes zero weight below, never a NaN
             mean = var = torch.zeros(channels, dtype=cdtype, device=x.device)
         packed = torch.cat([mean.new_full((1,), float(count)), mean, var])
-        gathered = packed.new_empty(world_size, packed.numel())
-        # One collective into one flat buffer (no per-rank list of views for gloo to copy through).
-        _all_gather_flat(gathered.view(-1), packed, group=group)
+        gathered = _every_rank(packed, group, world_size)
         counts, means, variances = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:  # same check, on every rank, as F.batch_norm in training
@@ -102,7 +100,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             # Every sample moved the global mean and var, so dx needs the sums of all ranks.
-            sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.world)
+            # Summed in rank order, the same on every rank.
+            sums = _every_rank(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.world).sum(0)
             g_sum_dy, g_sum_dy_xhat = sums.chunk(2)
             # dx = w*invstd*(dy - S1/N - xhat*S2/N) = grad_in - k2*x - k1, per channel
             k2 = w * invstd * invstd * g_sum_dy_xhat / ctx.total
@@ -111,13 +110,14 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
-def _sum_over_ranks(t: Tensor, group: Any, world_size: int) -> Tensor:
-    """The sum over every rank of a small `t`: one all_gather, then the sum in rank order, the same
-    on every rank. For a few hundred floats gloo's all_gather answers about twice as fast as its
-    all_reduce (benchmarks/sync_bn_profile.py: 618 against 1483 us median on 2 processes)."""
+def _every_rank(t: Tensor, group: Any, world_size: int) -> Tensor:
+    """Every rank's small flat `t`, a row each: one collective into one flat buffer (no per-rank
+    list of views for gloo to copy through). Summed after, it beats an all_reduce: for a few hundred
+    floats gloo's all_gather answers about twice as fast (benchmarks/sync_bn_profile.py: 618 against
+    1483 us median on 2 processes)."""
     gathered = t.new_empty(world_size, t.numel())
-    _all_gather_flat(gathered.view(-1), t.contiguous(), group=group)
-    return gathered.sum(0)
+    _all_gather_flat(gathered.view(-1), t, group=group)
+    return gathered
 
 
 def _bcast(v: Tensor, like: Tensor) -> Tensor:

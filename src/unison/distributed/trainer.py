@@ -149,6 +149,8 @@ class DistributedTrainer(MonitoredRanks, Callback):
             user_set = {"broadcast_buffers", "forward_sync_buffers"} & set(kwargs)
             if buffers_synchronised(model) and not user_set:
                 kwargs["forward_sync_buffers"] = False
+        if dist.get_backend() == "gloo":
+            kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
         self._kwargs = kwargs
         model = self._ddp(model, device)
         self.monitor = RankMonitor(self.timeout)
@@ -161,16 +163,13 @@ class DistributedTrainer(MonitoredRanks, Callback):
         self.trainable = trainable_set(model)
         if not any(self.trainable):
             return model
-        kwargs = dict(self._kwargs)
         device_ids = [device.index] if device.type == "cuda" else None
-        if dist.get_backend() == "gloo":
-            kwargs.setdefault("bucket_cap_mb", GLOO_BUCKET_CAP_MB)
         # A zero-size parameter never gets a gradient (fastai's collab model keeps a zero-width
         # BatchNorm it never calls): DDP would wait for it; there is nothing of it to synchronise.
         empty = [name for name, p in model.named_parameters() if p.numel() == 0]
         if empty:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
-        return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+        return DistributedDataParallel(model, device_ids=device_ids, **self._kwargs)
 
     def rewrap(self, parts: TrainingParts) -> TrainingParts:
         """`parts` with the model in a new DDP over the parameters that require a gradient now: DDP

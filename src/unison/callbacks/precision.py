@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
 
 import torch
 
@@ -41,7 +40,7 @@ class MixedPrecision(Callback):
                 "MixedPrecision('fp16') needs a CUDA GPU and none is available: use "
                 "MixedPrecision('bf16') on CPU"
             )
-        self._autocast: contextlib.AbstractContextManager[Any] | None = None
+        self._autocast = contextlib.ExitStack()  # the batch's autocast while it is entered
 
     def before_fit(self) -> None:
         device = self.learn.device
@@ -60,26 +59,20 @@ class MixedPrecision(Callback):
             self.learn.scaler = torch.amp.GradScaler("cuda")
 
     def before_batch(self) -> None:
-        self._autocast = torch.autocast(self.learn.device.type, dtype=self.dtype)
-        self._autocast.__enter__()
+        self._autocast.enter_context(torch.autocast(self.learn.device.type, dtype=self.dtype))
 
     def after_loss(self) -> None:
-        self._exit()  # backward runs outside autocast, as torch recommends
+        self._autocast.close()  # backward runs outside autocast, as torch recommends
 
     def before_step(self) -> None:
         if self.learn.scaler is not None and self.learn.opt is not None:
             self.learn.scaler.unscale_(self.learn.opt)  # clipping sees the true gradients
 
     def after_batch(self) -> None:
-        self._exit()  # a batch cancelled before its loss
+        self._autocast.close()  # a batch cancelled before its loss (closing a closed one does nothing)
 
     after_cancel_batch = after_batch
 
     def after_fit(self) -> None:
-        self._exit()
+        self._autocast.close()
         self.learn.scaler = None
-
-    def _exit(self) -> None:
-        if self._autocast is not None:
-            self._autocast.__exit__(None, None, None)
-            self._autocast = None

@@ -62,5 +62,4 @@ class GradientAccumulation(Callback):
     def after_train(self) -> None:
         self.learn.grad_sync = True  # validation and other loops always "step"
 
-    def after_fit(self) -> None:
-        self.learn.grad_sync = True
+    after_fit = after_train  # (and a fit cancelled mid-epoch)

@@ -197,21 +197,19 @@ def read_meta(
         read_meta("models/checkpoint.dcp", learn.model, learn.collective)["epoch"]
     """
     path = Path(directory)
-    rank, world = (collective.rank, collective.world_size) if collective is not None else (0, 1)
+    collective = collective if collective is not None else Collective()  # (one process: no collectives)
     record: dict[str, Any] | None = None
     error = None
     try:
         record = _read_record(path)
-        check_files(path, record, rank, world)
+        check_files(path, record, collective.rank, collective.world_size)
     except CheckpointError as exc:
         error = str(exc)
-    if world > 1:
-        assert collective is not None
-        error = next((e for e in collective.gather_objects(error) if e is not None), None)
+    error = next((e for e in collective.gather_objects(error) if e is not None), None)
     if error is not None:
         raise CheckpointError(error)
     assert record is not None
-    if "checksums" not in record and (collective is None or collective.is_main):
+    if "checksums" not in record and collective.is_main:
         warnings.warn(
             f"{path} was written by an older unison and has no checksums: its files are checked for "
             "size only, so flipped bits would load unseen. Saving it again adds them",

@@ -33,7 +33,7 @@ class TrackerCallback(Callback):
         self.comp = comp
         self.min_delta = min_delta if comp is operator.gt else -min_delta
         self._worst = math.inf if comp is operator.lt else -math.inf
-        vars(self).update(self.fresh_state())
+        vars(self).update(self.fresh_state())  # best (and a subclass's own: wait, saved) as a fit starts
 
     def before_fit(self) -> None:
         self.index = self.learn.recorder.value_index(self.monitor, f"{type(self).__name__}:")

@@ -171,16 +171,13 @@ class DistributedDL(RankShare):
         #: `cut(batch_index, indices)` -> the indices to load of that batch (None: all of them); a
         #: torchft replica loads only its rows of each step (`unison.distributed.ft_rows`).
         self.cut_rows: Any = None
-        # DataLoader draws its worker base seed from this generator on every iter(); a private one
-        # reseeded per epoch keeps the caller's global RNG untouched and worker seeds reproducible.
-        self._gen = dl.generator if dl.generator is not None else torch.Generator()
         dataset, collate_fn = fetched_through(dl.dataset, dl.collate_fn)
         self._positions: tuple[int, int, list[int]] = (0, 0, [])  # (epoch, batch size, dealt batches' starts)
         self._inner = self._loader_like_dl(
             dataset,
             batch_sampler=_PlanSampler(self, as_tensor=isinstance(dataset, _TensorBatches)),
             collate_fn=collate_fn,
-            generator=self._gen,
+            generator=self._workers_gen,
             persistent_workers=dl.persistent_workers,
             pin_memory_device=dl.pin_memory_device,
             in_order=dl.in_order,
@@ -351,8 +348,7 @@ class DistributedDL(RankShare):
         self._rank_plan = self._plan(epoch)
         self._plan_start = start
         self.epoch = epoch + 1
-        if self._dl.generator is None:
-            self._gen.manual_seed(mix_seed(self.seed, epoch, self.rank, "workers"))
+        self._workers_generator(epoch, "workers")
         return iter(self._inner)
 
     def state_dict(self) -> None:

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch.utils.data import DataLoader
+
+from unison.rng import mix_seed
 
 
 @runtime_checkable
@@ -64,10 +67,17 @@ class RankShare:
     pass-throughs so code written for a DataLoader keeps working), the epoch the next iteration
     plays and the step it starts at, and the inner loaders they load through."""
 
+    rank: int
+    seed: int
+
     def __init__(self, dl: DataLoader) -> None:
         self._dl = dl
         self.epoch = 0
         self._start = 0
+        # The inner loader draws its workers' base seed from this generator on every iter(): a private
+        # one, reseeded per epoch and rank (`_workers_generator`), keeps the global RNG (dropout)
+        # untouched and the worker seeds reproducible, so a resumed run matches.
+        self._workers_gen = dl.generator if dl.generator is not None else torch.Generator()
 
     @property
     def dl(self) -> DataLoader:
@@ -108,6 +118,12 @@ class RankShare:
         if batch_index < 0:
             raise ValueError(f"set_start needs a batch index >= 0, got {batch_index}")
         self._start = int(batch_index)
+
+    def _workers_generator(self, epoch: int, salt: str) -> torch.Generator:
+        """The workers' generator seeded for `epoch` (`dl`'s own generator, when it has one, as it stands)."""
+        if self._dl.generator is None:
+            self._workers_gen.manual_seed(mix_seed(self.seed, epoch, self.rank, salt))
+        return self._workers_gen
 
     def _loader_like_dl(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """A `DataLoader` over `dataset` that loads as `dl` does (its workers, their prefetch, init and

@@ -333,15 +333,8 @@ class StreamDL(RankShare):
             batch_size=dl.batch_size,
             drop_last=False,  # a whole global step is dropped or kept, below
             collate_fn=collate_fn,
-            generator=self._worker_generator(epoch),
+            generator=self._workers_generator(epoch, "stream workers"),
         )
-
-    def _worker_generator(self, epoch: int) -> torch.Generator:
-        """The loader draws its workers' base seed from this on every iter(): a private generator
-        seeded by epoch and rank keeps the global RNG (dropout) untouched, so a resumed run matches."""
-        if self._dl.generator is not None:
-            return self._dl.generator
-        return torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank, "stream workers"))
 
     def _agree(self, rows: int, stuck: bool, print_: int | None, workers_differ: bool) -> tuple[int, bool]:
         """Every rank's rows summed, and whether any rank has no batch to pad with. On the generic

@@ -278,7 +278,7 @@ def _memory_cgroup_files(pid: int | str, root: Path) -> tuple[list[Path], str] |
 
 
 def _count(files: list[Path]) -> dict[str, int] | None:
-    """Each file's oom_kill count (None where no file has one)."""
+    """Each file's oom_kill count (None where no file has one): cgroup files, or /proc/vmstat."""
     counts: dict[str, int] = {}
     for path in files:
         try:
@@ -301,14 +301,8 @@ def oom_count(pid: int | str = "self", root: str | os.PathLike[str] = "/sys/fs/c
         counts = _count(found[0])
         if counts is not None:
             return OomCount(sum(counts.values()), found[1], True, tuple(sorted(counts.items())))
-    try:
-        with open("/proc/vmstat") as fh:
-            for line in fh:
-                if line.startswith("oom_kill "):
-                    return OomCount(int(line.split()[1]), "/proc/vmstat", False)
-    except (OSError, ValueError):
-        pass
-    return None
+    machine = _count([Path("/proc/vmstat")])
+    return OomCount(machine["/proc/vmstat"], "/proc/vmstat", False) if machine is not None else None
 
 
 def oom_kills_since(

@@ -33,14 +33,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
-from unittest import mock
 
 from unison.distributed.network import UnresolvedHost, interface_for, port_in_use, resolve
 from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LAUNCHER_THREADS_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
 from unison.launch.lighthouse import (
-    LighthouseOptionError,
     ReplicaOptions,
     add_replica_options,
     replica_options,
@@ -261,10 +259,7 @@ def parse_options(argv: Sequence[str]) -> LaunchOptions:
     a = _parser().parse_args(list(argv))
     _scheduler_defaults(a, argv)
     a.nproc = parse_nproc(a.nproc)
-    try:
-        replica = replica_options(a)
-    except LighthouseOptionError as exc:
-        raise LaunchError(str(exc)) from None
+    replica = replica_options(a)  # a LighthouseOptionError is a LaunchError
     torchrun = torchrun_choices(a)  # may move torchrun's spellings onto unison's own options
     if torchrun.entry == "script" and not os.path.isfile(a.script):
         where = os.path.abspath(a.script)
@@ -340,8 +335,8 @@ class LaunchPlan:
 
     config: LaunchConfig
     args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    logs: RankLogsSpecs | None = None
+    env: dict[str, str]
+    logs: RankLogsSpecs
     gloo_interface: str | None = None
     notes: list[str] = field(default_factory=list)  # lines printed after `describe`'s
 
@@ -463,6 +458,8 @@ def launch(opts: LaunchOptions) -> int:
     """
     warm = opts.torchrun.entry != "program" and warm_start_allowed(os.environ, opts.gpus, opts.backend)
     zygote = _start_zygote() if warm else None
+    from unittest import mock  # (it loads asyncio: only for a launch, not for an option error)
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
@@ -494,7 +491,6 @@ def launch(opts: LaunchOptions) -> int:
         with contextlib.suppress(AttributeError, ValueError):
             if isinstance(sys.stdout, io.TextIOWrapper):
                 sys.stdout.reconfigure(line_buffering=True)
-        assert plan.logs is not None  # the plan always has its log specs here
         relay = _bar_relay(plan.logs)
         with (
             served_lighthouse(opts.replica) as lighthouse,
@@ -518,7 +514,7 @@ def launch(opts: LaunchOptions) -> int:
         if said_preempted(log_dir, None):  # the signal reached the workers, not this launcher
             return PREEMPTED_EXIT
         kept = os.path.abspath(log_dir) if keep_logs else None
-        summary, code = failure_summary(err, plan.logs if plan else None, kept)
+        summary, code = failure_summary(err, plan.logs if plan is not None else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
     except RestartRefused as refused:
@@ -532,7 +528,7 @@ def launch(opts: LaunchOptions) -> int:
         from unison.launch.torch_compat import shutdown_grace
 
         grace = shutdown_grace(plan.config) if plan else None
-        late = plan.logs.stragglers(sig.sigval.name, grace) if plan and plan.logs else ""
+        late = plan.logs.stragglers(sig.sigval.name, grace) if plan is not None else ""
         print(f"unison launch: stopped by {sig.sigval.name}; workers were shut down{late}", file=sys.stderr)
         return 128 + int(sig.sigval)
     except KeyboardInterrupt:  # before torch's agent installed its handlers
@@ -555,21 +551,21 @@ def launch(opts: LaunchOptions) -> int:
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
             hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
             if opts.rdzv_endpoint:
-                ran = bool(plan and plan.logs and plan.logs.attempts)  # lost while the workers ran
+                ran = bool(plan and plan.logs.attempts)  # lost while the workers ran
                 hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint, ran)})"
         print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         if zygote is not None:
             zygote.stop()
-        if plan is not None and plan.logs is not None:
+        if plan is not None:
             plan.logs.store_port.release()  # the last attempt's store port, as unison.spawn lets its go
+            if plan.config.rdzv_configs.get("store_type") == "file":
+                with contextlib.suppress(OSError):
+                    os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
         sys.stdout.flush()
-        if not keep_logs and not (plan and plan.logs and plan.logs.console_lost):  # else they hold the output
+        if not keep_logs and not (plan and plan.logs.console_lost):  # else the logs hold the output
             shutil.rmtree(log_dir, ignore_errors=True)
-        if plan is not None and plan.config.rdzv_configs.get("store_type") == "file":
-            with contextlib.suppress(OSError):
-                os.remove(plan.config.rdzv_endpoint)  # the one-machine rendezvous file
 
 
 def _silent_error_text(name: str, opts: LaunchOptions) -> str:

@@ -36,6 +36,7 @@ from unison.distributed.lighthouse import (
 )
 from unison.distributed.network import port_in_use, reach_host
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
+from unison.launch.options import LaunchError
 
 #: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
 DEFAULT_PORT = 29510
@@ -48,7 +49,7 @@ _TIMINGS = (
 _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
-class LighthouseOptionError(ValueError):
+class LighthouseOptionError(LaunchError):
     """A `--lighthouse` / `--start-lighthouse` / `--replica-id` choice that cannot work."""
 
 

@@ -219,10 +219,8 @@ class _WandbRun:
         kwargs = dict(self.init_kwargs)
         if "settings" not in kwargs and "x_transaction_log_flush_interval" in wandb.Settings.model_fields:
             kwargs["settings"] = wandb.Settings(x_transaction_log_flush_interval=self.FLUSH_S)
-        if run_id is None:
-            self._run = wandb.init(project=self.project, name=self.name, config=config, **kwargs)
-        else:
-            self._run = wandb.init(project=self.project, name=self.name, id=run_id, resume="allow", **kwargs)
+        new_or_again = {"config": config} if run_id is None else {"id": run_id, "resume": "allow"}
+        self._run = wandb.init(project=self.project, name=self.name, **new_or_again, **kwargs)
         # Online, a resumed run knows the next step its server expects; offline, nothing (0).
         known = self._run.step if run_id is not None and not self._run.offline else None
         return str(self._run.id), known

@@ -115,3 +115,19 @@ def test_only_the_first_fit_is_probed(probe_env: Path) -> None:
     other = learner(x, y)
     other.fit(1)  # a later fit in the same process trains as usual
     assert len(other.recorder.losses) == 5
+
+
+def test_an_lr_find_before_the_fit_is_not_probed_and_the_fit_is(probe_env: Path) -> None:
+    # fastai's tutorial order: lr_find, then fit. The sweep puts model and optimizer back; the
+    # record is the fit's first steps, as a script without the sweep gives them.
+    x, y = data()
+    learn = learner(x, y)
+    learn.lr_find(num_it=3)
+    assert not probe_env.exists()
+    with pytest.raises(SystemExit):
+        learn.fit(1)
+    record = torch.load(probe_env, weights_only=True)
+    model, losses = by_hand(x, y, 3, torch.float32)
+    assert record["steps"] == 3
+    torch.testing.assert_close(record["weights"]["weight"], model.weight.detach(), rtol=1e-6, atol=1e-7)
+    assert record["losses"] == pytest.approx(losses, rel=1e-6)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from unison.callbacks.schedule import LRFinder
 from unison.data.batch import map_tensors
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 from unison.events import Callback, CancelFitException, CancelTrainException
@@ -128,7 +129,10 @@ class ExactnessProbe(Callback):
     # ---- the probed fit ---------------------------------------------------------------
     def before_fit(self) -> None:
         learn = self.learn
-        self.active = not _claimed[0] and learn.lr_finder is None
+        # An LR sweep (lr_find, which puts the model back; the fastai bridge marks its sweep with
+        # `lr_finder = True`) is not the fit the check compares: the fit after it is.
+        sweeping = learn.lr_finder is True or learn.get_cb(LRFinder) is not None
+        self.active = not _claimed[0] and not sweeping
         if not self.active:
             return
         _claimed[0] = True

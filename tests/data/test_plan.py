@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler, TensorDataset
 
 from unison.data import DistributedDL
+from unison.data.drawn import DrawnOrder
 from unison.data.permutation import PermutedOrder
 from unison.data.plan import PositionPlan, dealt_plan, sampler_order, strided_plan
 
@@ -101,3 +102,24 @@ def test_a_position_plan_gives_the_tensor_plans_batches(n, world, bs, pad):
         assert list(plan.batches()) == list(expected.batches())
         assert list(plan.real) == expected.real
         assert list(plan.batches(start=n_batches // 2)) == list(expected.batches(start=n_batches // 2))
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda: RandomSampler(range(7)),
+        lambda: RandomSampler(range(7), num_samples=14),  # whole permutations, then torch's last draw
+        lambda: RandomSampler(range(7), num_samples=10, generator=torch.Generator().manual_seed(1)),
+        lambda: RandomSampler(range(7), replacement=True),  # drawn by iterating, seeded from the global RNG
+        lambda: SequentialSampler(range(7)),
+    ],
+)
+def test_drawn_order_replays_the_plain_loops_epochs(sampler):
+    """DrawnOrder gives each epoch the order the user's own loader draws in it, without a generator
+    too (then from the global generator as it stood at hand-over), whatever the RNG does meanwhile."""
+    torch.manual_seed(5)
+    dl = DataLoader(range(7), batch_size=2, sampler=sampler())
+    drawn = DrawnOrder(dl)
+    plain = [[int(i) for batch in dl for i in batch] for _ in range(3)]
+    torch.manual_seed(99)
+    assert [[int(i) for i in drawn.order(dl.sampler, epoch)] for epoch in range(3)] == plain

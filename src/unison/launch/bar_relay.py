@@ -35,7 +35,7 @@ from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
 _ERASE_LINE = "\r\x1b[K"
 _UP = "\x1b[A"
 
-__all__ = ["BarRelay"]
+__all__ = ["BarRelay", "StandIn"]
 
 
 class BarRelay:
@@ -155,18 +155,12 @@ class BarRelay:
                 self.show([line for line in data.decode("utf-8", "replace").split("\n") if line.strip()])
 
 
-class _Relayed(io.TextIOBase):
-    """sys.stdout or sys.stderr while a relay draws bars: every write goes above them."""
+class StandIn(io.TextIOBase):
+    """A text stream standing in for `stream` (sys.stdout or sys.stderr): what is not written goes
+    to it. `_Relayed` here and the launcher's console guard (`launch.logs`) build on it."""
 
-    def __init__(self, stream: TextIO, relay: BarRelay) -> None:
-        self._stream, self._relay = stream, relay
-        self._pid = os.getpid()
-
-    def write(self, text: str) -> int:
-        if os.getpid() != self._pid:  # a worker forked by spawn: its output goes to its log file as is
-            return self._stream.write(text)
-        self._relay.forward(self._stream, text)
-        return len(text)
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
 
     def flush(self) -> None:
         self._stream.flush()
@@ -183,3 +177,18 @@ class _Relayed(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
+
+
+class _Relayed(StandIn):
+    """sys.stdout or sys.stderr while a relay draws bars: every write goes above them."""
+
+    def __init__(self, stream: TextIO, relay: BarRelay) -> None:
+        super().__init__(stream)
+        self._relay = relay
+        self._pid = os.getpid()
+
+    def write(self, text: str) -> int:
+        if os.getpid() != self._pid:  # a worker forked by spawn: its output goes to its log file as is
+            return self._stream.write(text)
+        self._relay.forward(self._stream, text)
+        return len(text)

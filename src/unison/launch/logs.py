@@ -8,7 +8,6 @@ failure at once (`pointless_restart`). Imported when a launch starts (it needs t
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any, TextIO, cast
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
 
+from unison.launch.bar_relay import StandIn
 from unison.launch.failures import (
     OomCount,
     deterministic_failure,
@@ -251,7 +251,7 @@ class RankLogsSpecs(HeldPortLogsSpecs):
 _RANK_PREFIX = re.compile(r"\[[^\]\n]*\] ?")
 
 
-class _Console(io.TextIOBase):
+class _Console(StandIn):
     """A console stream that, once its reader is gone, drops what is written instead of raising.
 
     torch's tailer writes each piece of a rank's file it read, with the rank's prefix: a line the
@@ -260,7 +260,8 @@ class _Console(io.TextIOBase):
     ends the open line first."""
 
     def __init__(self, stream: TextIO, name: str, owner: RankLogsSpecs) -> None:
-        self._stream, self._name, self._owner = stream, name, owner
+        super().__init__(stream)
+        self._name, self._owner = name, owner
         self._gone = False
         self._mid_line = False  # the last text written did not end its line
         self._open_prefix: str | None = None  # the rank prefix of that open line
@@ -307,18 +308,8 @@ class _Console(io.TextIOBase):
             except (OSError, ValueError) as exc:
                 self._lost(exc)
 
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]  # typeshed: a plain attribute; io's a property
-        return getattr(self._stream, "encoding", "utf-8")
-
     def isatty(self) -> bool:
         return not self._gone and self._stream.isatty()
-
-    def writable(self) -> bool:
-        return True
 
 
 class _AgentNotes(logging.Handler):

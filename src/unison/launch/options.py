@@ -258,7 +258,10 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
         a.master_addr = a.master_port = None
     as_given = ("role", "monitor_interval", "start_method", "event_log_handler", "virtual_local_rank")
     agent: dict[str, Any] = {name: getattr(a, name) for name in as_given}
-    agent["signals_to_handle"] = _signals(a.signals_to_handle)
+    try:  # torch's spelling of the signals the agent handles (see `unison.signals`)
+        agent["signals_to_handle"] = launcher_signals(a.signals_to_handle)
+    except ValueError as exc:
+        raise LaunchError(f"--signals-to-handle: {exc}") from None
     if not a.monitor_interval > 0:
         raise LaunchError(f"--monitor-interval must be positive (seconds), got {a.monitor_interval}")
     if a.shutdown_timeout is not None:
@@ -285,14 +288,6 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
         agent=agent,
         notes=tuple(notes),
     )
-
-
-def _signals(given: str | None) -> str:
-    """torch's spelling of the signals the agent handles (see `unison.signals`)."""
-    try:
-        return launcher_signals(given)
-    except ValueError as exc:
-        raise LaunchError(f"--signals-to-handle: {exc}") from None
 
 
 def _numa(mode: str) -> Any:

@@ -87,11 +87,8 @@ def set_threads() -> int:
 
     from unison.distributed.env import threads_per_worker
 
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    n = int(raw) if raw.isdigit() else 0
     if n < 1:
         n = threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     torch.set_num_threads(n)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from unison.data.batch import batch_size_of, split_batch, take_rows, to_device
+from unison.data.batch import batch_size_of, take_rows, to_device
 from unison.data.ranked import is_rank_sharded
 from unison.data.stream import loader_length
 from unison.distributed.joining import check_loaders_agree, trainable_set
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParallelConfig",
+    "at_batch",
     "attach_strategy",
     "backward",
     "begin_pass",
@@ -54,7 +55,6 @@ __all__ = [
     "take_share",
     "to_parallel",
     "training_parts",
-    "trim_padding",
     "unwrap_model",
     "use_parts",
 ]
@@ -256,19 +256,20 @@ def real_rows(host: EngineHost, index: int) -> int | None:
     return host.dl.real_rows(index) if is_rank_sharded(host.dl) else None
 
 
-def trim_padding(host: EngineHost, batch: Any, index: int) -> tuple[Any, bool, Any]:
-    """`(batch without its padding rows, whether no row is real, batch as it came)`: the own loop's
-    whole batch, trimmed as `prepare_batch` trims the learner's inputs and targets."""
-    real = real_rows(host, index)
-    trimmed = take_rows(batch, real) if real is not None and real < batch_size_of(batch) else batch
-    return trimmed, real == 0, batch
+def at_batch(host: EngineHost, index: int) -> None:
+    """The loop is at batch `index` of its pass; in training, also where it is in the whole fit."""
+    host.iter = index
+    if host.training:
+        host.train_iter = host.epoch * host.n_iter + index
+        host.pct_train = host.train_iter / max(1, host.n_epoch * host.n_iter)
 
 
-def prepare_batch(host: EngineHost, batch: Any, index: int, n_inp: int, device: torch.device) -> None:
-    """`batch` on the host's device, split into `host.xb` / `host.yb`, with the rows a rank-sharded
-    loader added to even out ranks dropped from the *inputs*: whatever computes the loss (the
-    model itself included), padding is never scored. `host._empty_share`: no real rows here."""
-    xb, yb = split_batch(to_device(batch, device, non_blocking=True), n_inp)
+def prepare_batch(host: EngineHost, batch: Any, index: int, device: torch.device) -> None:
+    """`batch` on the host's device, split into `host.xb` / `host.yb` as the loop splits it
+    (`host.split_batch`: the Learner's inputs and targets, the own loop's batch whole), with the rows
+    a rank-sharded loader added to even out ranks dropped from the *inputs*: whatever computes the
+    loss (the model itself included), padding is never scored. `host._empty_share`: no real rows here."""
+    xb, yb = host.split_batch(to_device(batch, device, non_blocking=True))
     real = real_rows(host, index)
     padded = xb
     if real is not None and real < batch_size_of(xb):

@@ -42,6 +42,7 @@ from unison.checkpoint import learner_files
 from unison.data.batch import (
     DataLoaders,
     call_model,
+    split_batch,
     take_rows,
 )
 from unison.data.ranked import RankShardedLoader
@@ -221,11 +222,8 @@ class Learner(LoopHost):
         self._device = self.device
         self._devices_checked = False
         for i, batch in enumerate(self.dl, start=self._start):
-            self.iter = i
-            if self.training:
-                self.train_iter = self.epoch * self.n_iter + self.iter
-                self.pct_train = self.train_iter / max(1, self.n_epoch * self.n_iter)
-            engine.prepare_batch(self, batch, i, self.n_inp, self._device)  # padding trimmed
+            engine.at_batch(self, i)
+            engine.prepare_batch(self, batch, i, self._device)  # padding trimmed
             engine.take_share(self)  # under torchft: this process's rows among the replicas
             self._with_events(self._do_one_batch, "batch", CancelBatchException)
 
@@ -259,6 +257,10 @@ class Learner(LoopHost):
     def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
         """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""
         return engine.shard_loader(self, dl, pad, self.steps_per_epoch, self.stream_split)
+
+    def split_batch(self, batch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """`(inputs, targets)` of a batch: its first `n_inp` items are inputs (`data.batch.split_batch`)."""
+        return split_batch(batch, self.n_inp)
 
     # ---- evaluation ------------------------------------------------------------------
     def validate(self, dl: DataLoader | None = None) -> list[float]:

@@ -101,6 +101,10 @@ class LoopHost(LoopState):
     def __call__(self, event: str) -> None:
         fire(self.cbs, event)
 
+    def split_batch(self, batch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """`(inputs, targets)` of a loaded batch as the loop's body gets them: the own loop's whole."""
+        return (batch,), ()
+
     def create_opt(self) -> torch.optim.Optimizer | None:
         """Make the loop's optimizer (the `Learner`'s from its `opt_func`); the own loop is handed one."""
         raise RuntimeError("Run: the optimizer comes from run.setup(model, opt)")

@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 
 import unison.engine as engine
 from unison.callbacks.recorder import Recorder
-from unison.data.batch import to_device
 from unison.data.drawn import DrawnOrder
 from unison.data.stream import loader_length
 from unison.distributed.strategy import ParallelConfig
@@ -31,7 +30,6 @@ from unison.events import (
     CancelValidException,
 )
 from unison.loop_host import LoopHost
-from unison.loop_state import BatchState
 
 __all__ = [
     "LoaderOrders",
@@ -59,7 +57,6 @@ class RunHost(LoopHost):
         self.metrics: list[Any] = []
         self.dls = SimpleNamespace(train=None, valid=None)
         self.call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda model, xb: model(*xb)
-        self.n_inp = 1
         self.recorder: Any = Recorder(print_table=False)  # (the fastai bridge hands its RecorderView)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
         self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
@@ -102,15 +99,11 @@ class RunLoader:
         try:
             host(f"before_{phase}")
             for i, batch in enumerate(dl, start=start):
-                host.iter = i
+                engine.at_batch(host, i)
                 if training:
-                    host.train_iter = host.epoch * host.n_iter + i
                     last = i + 1 == host.n_iter
                     host.grad_sync = (i + 1) % host.accumulate == 0 or last
-                batch, empty, padded = engine.trim_padding(
-                    host, to_device(batch, device, non_blocking=True), i
-                )
-                host.batch = BatchState((batch,), (), (padded,), empty)
+                engine.prepare_batch(host, batch, i, device)  # padding trimmed
                 if training:
                     engine.take_share(host)  # under torchft: this process's rows among the replicas
                 try:

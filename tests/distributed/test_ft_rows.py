@@ -30,7 +30,7 @@ class Counted(Dataset):
 
 def host():
     # What RowLoads reads of a Learner: its device and how it splits a batch into inputs and targets.
-    return SimpleNamespace(device=torch.device("cpu"), redoes_by_loop=False, n_inp=1)
+    return SimpleNamespace(device=torch.device("cpu"), split_batch=lambda batch: split_batch(batch, 1))
 
 
 def whole_batches(n=30, bs=8, shuffle=True):

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from unison.data.batch import map_tensors, split_batch, to_device
+from unison.data.batch import map_tensors, to_device
 from unison.data.loader import DistributedDL
 
 __all__ = ["RowLoads", "Split", "load_problem", "rows_of"]
@@ -78,14 +78,6 @@ def load_problem(dl: Any, fetch_rows: bool | None) -> str | None:
             'fault_tolerant={"fetch_rows": True} if it collates row by row'
         )
     return None
-
-
-def _arrange(host: Any, batch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """`(xb, yb)` of a freshly loaded batch, as the host's loop makes them of the batches it iterates."""
-    batch = to_device(batch, host.device, non_blocking=True)
-    if host.redoes_by_loop:  # the own loop's body gets its batch whole (`unison.run_host.RunLoader`)
-        return (batch,), ()
-    return split_batch(batch, host.n_inp)  # the Learner's inputs and targets (`engine.prepare_batch`)
 
 
 class RowLoads:
@@ -145,6 +137,7 @@ class RowLoads:
             return rows_of(xb, at, every), rows_of(yb, at, every), False
         # Each item under its own seed: a random augmentation draws as when the whole step is loaded.
         indices, seeds = self.dl.batch_indices(k), self.dl.item_seeds(k)
-        xb, yb = _arrange(host, self.dl.load(indices[first::stride], seeds[first::stride]))
+        loaded = self.dl.load(indices[first::stride], seeds[first::stride])
+        xb, yb = host.split_batch(to_device(loaded, host.device, non_blocking=True))  # as the loop splits it
         self._loaded = (k, split, xb, yb)
         return xb, yb, False

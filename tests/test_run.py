@@ -120,6 +120,23 @@ def test_what_run_cannot_do_is_refused_before_anything_starts():
         Run().loader(DataLoader(range(4), batch_size=2))
 
 
+@pytest.mark.parametrize(
+    ("callback", "instead"),
+    [
+        (lambda: unison.GradientAccumulation(16), r"Run\(accumulate=k\)"),
+        (lambda: unison.OneCycleScheduler(1e-2), r"run.setup\(model, opt, scheduler\)"),
+        (lambda: unison.SaveModelCallback(), r"run.checkpoint"),
+    ],
+)
+def test_a_learner_callback_that_would_train_another_loop_is_refused(callback, instead):
+    # GradientAccumulation on Run trained neither as Run(accumulate=2) nor as no accumulation (the
+    # steps it cancelled lost their gradients at opt.zero_grad()); the others need the Learner's calls.
+    run = Run()
+    with pytest.raises(ValueError, match=r"^Run.add_cb\(\w+\): .*" + instead):
+        run.add_cb(callback())
+    assert not any(isinstance(cb, type(callback())) for cb in run.host.cbs)
+
+
 def test_a_nonfinite_loss_stops_naming_it():
     ds = _data(32)
     model = _model(False)

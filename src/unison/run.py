@@ -36,7 +36,6 @@ DataLoader, a scheduler moving the LR unknown to unison (at the first checkpoint
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +66,7 @@ from unison.run_host import (
     RunOptimizer,
     RunScheduler,
     check_schedulers,
+    refuse_learner_callback,
     require_training_batch,
     track_steps,
 )
@@ -122,7 +122,6 @@ class Run:
         for cb in defaults:
             if isinstance(cb, Preemption):  # its message names this loop's resume
                 cb.resume_as = "run.epochs(n, resume=True)"
-        self._stack = contextlib.ExitStack()
         self._open = False
         self._orders = LoaderOrders(self.host)  # what checkpoints and heals carry besides model and opt:
         self._components: dict[str, Any] = {"data_order": self._orders}
@@ -210,9 +209,8 @@ class Run:
         if problem is not None:
             raise ValueError(f"Run.loader: this loader cannot be sharded across processes: {problem}")
         if isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset):
-            self._orders.add(
-                dl
-            )  # each epoch in the order the loader itself draws: one process = the plain loop
+            # each epoch in the order the loader itself draws: one process = the plain loop
+            self._orders.add(dl)
         if several:
             engine.check_loader_agrees(host, dl, "train" if is_train else "valid", host.config.check_data)
         if is_train:
@@ -351,7 +349,9 @@ class Run:
         return map_tensors(lambda t: self.host.collective.gather_ordered(t), value)
 
     def add_cb(self, cb: Callback) -> Run:
-        """Attach a unison callback: it runs at the events this loop reaches (`GradientClip`, ...)."""
+        """Attach a unison callback, run at the events this loop reaches (`GradientClip`, ...); one
+        that drives the Learner's own loop is refused, naming what the own loop uses instead."""
+        refuse_learner_callback(cb)
         self.host.add_cb(cb)
         return self
 
@@ -432,7 +432,6 @@ class Run:
         if self._open:
             self._open = False
             engine.detach_strategy(self.host)
-        self._stack.close()
 
     def __enter__(self) -> Run:
         return self

@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader
 
 import unison.engine as engine
 from unison.callbacks.recorder import Recorder
+from unison.callbacks.schedule import LRFinder, OneCycleScheduler
+from unison.callbacks.tracker import SaveModelCallback
+from unison.callbacks.training import GradientAccumulation
 from unison.data.drawn import DrawnOrder
 from unison.data.stream import loader_length
 from unison.distributed.strategy import ParallelConfig
@@ -38,6 +41,7 @@ __all__ = [
     "RunOptimizer",
     "RunScheduler",
     "check_schedulers",
+    "refuse_learner_callback",
     "require_training_batch",
     "track_steps",
 ]
@@ -230,6 +234,24 @@ class RunScheduler:
 
     def __repr__(self) -> str:
         return f"RunScheduler({self.scheduler!r})"
+
+
+#: Callbacks that drive the `Learner`'s own loop, and what a `Run` uses instead.
+_LEARNER_LOOP_CALLBACKS: dict[type, str] = {
+    GradientAccumulation: "the own loop accumulates with Run(accumulate=k) (the callback's cancelled "
+    "steps would lose their gradients at opt.zero_grad())",
+    OneCycleScheduler: "it schedules the Learner's fit; give a torch scheduler (OneCycleLR, ...) to "
+    "run.setup(model, opt, scheduler)",
+    LRFinder: "it is the Learner's lr_find sweep",
+    SaveModelCallback: "it saves through Learner.save; the own loop checkpoints with run.checkpoint(...)",
+}
+
+
+def refuse_learner_callback(cb: Any) -> None:
+    """Refuse (one line) a callback that drives the `Learner`'s own loop, naming what a `Run` uses."""
+    for kind, instead in _LEARNER_LOOP_CALLBACKS.items():
+        if isinstance(cb, kind):
+            raise ValueError(f"Run.add_cb({type(cb).__name__}): {instead}")
 
 
 def require_training_batch(host: RunHost, what: str) -> None:

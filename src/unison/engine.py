@@ -317,26 +317,22 @@ def take_share(host: EngineHost) -> None:
 
 def commit_step(host: EngineHost) -> bool:
     """After a training batch's backward, under torchft: the step's gradient summed over the
-    replicas, then their vote. A failed vote retakes the step on the same items among the replicas
-    left: the `Learner` computes its new share's gradient here; the own loop's body runs again
-    (False, with `host.redo_step` set: its loader yields the new share). True: the step goes on."""
+    replicas, then their vote. True: the step goes on. False: the vote failed, and the step is
+    retaken on the same items among the replicas left: `host.xb` / `host.yb` are this process's new
+    share and `host.redo_step` is set, and the loop runs the batch's body again from its forward
+    pass (the Learner at once; the own loop's loader yields the share to its body)."""
     strategy = _voting(host)
     if strategy is None:
         return True
-    while True:
-        committed, loss, count = strategy.commit()
-        if loss is not None:
-            host.loss, host.loss_count = loss, count
-        if committed:
-            return True
-        xb, yb, empty = strategy.retake_step()
-        host.batch = BatchState(xb, yb, host._padded_xb, empty)
-        if host.redoes_by_loop:  # the own loop computes the loss
-            host.redo_step = True  # (its optimizer step is skipped, its loader yields the share)
-            return False
-        host.pred = host.call_model(host.model, host.xb)
-        score(host, *host.exact_loss.terms(host))
-        backward(host)
+    committed, loss, count = strategy.commit()
+    if loss is not None:
+        host.loss, host.loss_count = loss, count
+    if committed:
+        return True
+    xb, yb, empty = strategy.retake_step()
+    host.batch = BatchState(xb, yb, host._padded_xb, empty)
+    host.redo_step = True  # (no optimizer step for this pass)
+    return False
 
 
 def optimizer_step(host: EngineHost) -> None:

@@ -231,6 +231,21 @@ class Learner(LoopHost):
         if not self._devices_checked:
             check_devices(self._device, (self.xb, self.yb))
             self._devices_checked = True
+        if not self._score_batch():
+            return
+        while not engine.commit_step(self):  # torchft: summed over the replicas and voted
+            self.redo_step = False  # the vote failed: the step again, on this process's new share
+            self._score_batch()
+        self("after_backward")
+        self("before_step")
+        engine.optimizer_step(self)
+        self("after_step")
+        assert self.opt is not None  # fit made it
+        self.opt.zero_grad(set_to_none=True)
+
+    def _score_batch(self) -> bool:
+        """The forward pass over `xb`, then its loss and, in training, its backward pass; False
+        where the batch ends before the backward pass (evaluation, or no loss to compute)."""
         if self._empty_share and not self.training:
             # Nothing to score here, but the forward pass keeps every collective in step (a sharded
             # model gathers its weights) and gives the output's structure, with no rows.
@@ -239,20 +254,14 @@ class Learner(LoopHost):
             self.pred = self.call_model(self.model, self.xb)
         self("after_pred")
         if not self.score or (self._empty_share and not self.training):
-            return
+            return False
         engine.score(self, *self.exact_loss.terms(self))  # the loss as a sum and a count
         self("after_loss")
         if not self.training:
-            return
+            return False
         self("before_backward")
         engine.backward(self)  # then the gradient of the global batch, at a step's last micro-batch
-        engine.commit_step(self)  # under torchft: summed over the replicas, voted, redone if it failed
-        self("after_backward")
-        self("before_step")
-        engine.optimizer_step(self)
-        self("after_step")
-        assert self.opt is not None  # fit made it
-        self.opt.zero_grad(set_to_none=True)
+        return True
 
     def _shard(self, dl: Any, pad: bool = True) -> DataLoader | RankShardedLoader:
         """This rank's share of `dl` this epoch (`unison.engine.shard_loader`); `pad=False` in training."""

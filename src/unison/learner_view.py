@@ -67,8 +67,8 @@ class LoopState(Protocol):
     stream_resume_state: dict[str, Any] | None
     _empty_share: bool  # this rank has no rows in the current batch (its share of the last one)
     _padded_xb: tuple[Any, ...]  # the inputs before padding rows were trimmed (an empty share's forward)
-    redoes_by_loop: bool  # a failed torchft step is redone by the loop's body (the own loop), not in it
-    redo_step: bool  # set when it must be: the own loop's loader then yields the step's new share
+    redo_step: bool  # a torchft step's vote failed: the loop's body runs again on its new share
+    parallel_api: str  # "distrib_ctx" (the Learner) or "Run", as messages name the loop
     _shards: Any  # each loader's sharded form, kept across epochs (unison.data.sharding.LoaderShards)
     strategy: Any  # the parallel strategy (unison.distributed.strategy.Strategy), None outside one
 

@@ -51,6 +51,9 @@ class LoopHost(LoopState):
     loss_grad = _in_batch("loss_grad", "What the step backpropagates (the loss's sum over a constant).")
     loss_count = _in_batch("loss_count", "The loss's terms (samples, tokens) in this rank's batch.")
 
+    #: How a user trains this loop on several processes, as messages name it.
+    parallel_api = "distrib_ctx"
+
     def __init__(self) -> None:
         self.batch = BatchState()
         self.opt: torch.optim.Optimizer | None = None
@@ -72,9 +75,8 @@ class LoopHost(LoopState):
         self.training = False
         self.dl: Any = None
         self.lr_finder: Any = None  # set by lr_find
-        # A step whose torchft commit vote failed is redone: by the Learner itself (it has the loss
-        # function), by the own loop's body running again (`redoes_by_loop`; `redo_step` asks for it).
-        self.redoes_by_loop = self.redo_step = False
+        # A step whose torchft commit vote failed is redone by the loop's body (`engine.commit_step`).
+        self.redo_step = False
         self.cbs: list[Any] = []
 
     # ---- callbacks and events ------------------------------------------------------------

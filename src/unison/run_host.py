@@ -50,6 +50,8 @@ __all__ = [
 class RunHost(LoopHost):
     """What the engine, the strategy and the callbacks read and set while a `Run` trains."""
 
+    parallel_api = "Run"
+
     def __init__(self, config: ParallelConfig, accumulate: int, path: Path, model_dir: Path) -> None:
         self.config, self.accumulate = config, accumulate
         self.path, self.model_dir = path, model_dir
@@ -63,7 +65,6 @@ class RunHost(LoopHost):
         self.call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda model, xb: model(*xb)
         self.recorder: Any = Recorder(print_table=False)  # (the fastai bridge hands its RecorderView)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
-        self.redoes_by_loop = True  # a failed torchft step: the loop's body runs again (it has the loss)
 
 
 #: What a pass sets that a training batch in flight needs back after an evaluation inside it

@@ -151,8 +151,7 @@ class FaultTolerantTrainer(Callback):
     # ---- entering and leaving --------------------------------------------------------
     def setup(self, parts: TrainingParts) -> TrainingParts:
         # Named as the user wrote it: the own loop's `Run(...)` or the Learner's `distrib_ctx(...)`.
-        api = "Run(fault_tolerant=True)" if self.learn.redoes_by_loop else "distrib_ctx(fault_tolerant=True)"
-        plain = "Run()" if self.learn.redoes_by_loop else "distrib_ctx()"
+        api, plain = f"{self.learn.parallel_api}(fault_tolerant=True)", f"{self.learn.parallel_api}()"
         norms = [name for name, m in self.learn.raw_model.named_modules() if isinstance(m, _BatchNorm)]
         if norms:
             raise ValueError(

@@ -27,11 +27,12 @@ import hashlib
 import random
 import sys
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import torch
 
-from unison.data.batch import batch_size_of, tensors_in
+from unison.data.batch import batch_size_of, map_tensors, tensors_in
 from unison.rng import mix_seed, seeded_draws
 
 __all__ = [
@@ -123,16 +124,8 @@ def after_batch_by_item(dl: Any, batch: Any, positions: Sequence[int], seed: int
     done = []
     for row, position in enumerate(positions):
         with seeded_draws(mix_seed(seed, position, "batch"), device):
-            done.append(dl.after_batch(_row(batch, row)))
+            done.append(dl.after_batch(map_tensors(itemgetter(slice(row, row + 1)), batch)))
     return _stack_rows(done)
-
-
-def _row(batch: Any, row: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[row : row + 1]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_row(part, row) for part in batch)
-    return batch
 
 
 def _stack_rows(rows: list[Any]) -> Any:

@@ -181,10 +181,6 @@ class UnisonBridge(fastai_core.Callback):
         sweep, whose temporary file is rank 0's own and whose start every rank restores in memory)."""
         return self.world_size > 1 and not self.sweep
 
-    def together(self, what: str, work: Any) -> Any:
-        """`work()` with one writer and every rank's outcome on every rank (`files.together`)."""
-        return files.together(self.host.collective, what, work)
-
     def shard(self, dl: Any, pad: bool) -> Any:
         """This rank's share of `dl` (kept across epochs); `dl` itself where none is needed."""
         if isinstance(dl, RankShardedFastaiDL) or not needs_share(dl, self.world_size, self.checkpointing):
@@ -198,12 +194,11 @@ class UnisonBridge(fastai_core.Callback):
     # ---- the fit ------------------------------------------------------------------------
     def before_fit(self) -> None:
         learn, host = self.learn, self.host
-        names = {type(cb).__name__ for cb in learn.cbs}
-        if self.checkpointing and "LRFinder" not in names and not learn.lock.locked():
+        self.sweep = any(type(cb).__name__ == "LRFinder" for cb in learn.cbs)
+        if self.checkpointing and not self.sweep and not learn.lock.locked():
             refuse_unresumable(learn, self.shard(learn.dls.train, pad=False), self.world_size)
         if self.world_size > 1 and not learn.lock.locked():
             self.accumulation = find_accumulation(learn)
-        self.sweep = "LRFinder" in names
         if self.world_size > 1 and self.sweep:  # (lr_find)
             train_shard = self.shard(learn.dls.train, pad=False)
             self.before_sweep = start_sweep(learn, self.host.raw_model, train_shard)
@@ -218,7 +213,7 @@ class UnisonBridge(fastai_core.Callback):
         # (what check-exact's probe reads of the training loader: the per-process batch)
         host.dls = SimpleNamespace(train=SimpleNamespace(batch_size=learn.dls.train.bs), valid=None)
         host.lr_finder = True if self.sweep else None  # (the check-exact probe leaves a sweep alone)
-        if self.world_size > 1 and host.collective.rank != 0:
+        if host.collective.rank != 0:  # (so W > 1)
             self.quiet_depth += 1  # (a get_preds inside a fit is a fit inside a fit)
             if self.quiet_depth == 1:
                 devnull = self.quiet.enter_context(open(os.devnull, "w"))
@@ -340,15 +335,11 @@ class UnisonBridge(fastai_core.Callback):
         host.dl, host.training = learn.dl, False
 
     # ---- one batch ----------------------------------------------------------------------
-    def _real_rows(self) -> int | None:
-        dl = self.learn.dl
-        return dl.real_rows(self.learn.iter) if isinstance(dl, RankShardedFastaiDL) else None
-
     def before_batch(self) -> None:
         learn, host = self.learn, self.host
         if learn.training:
             learn.iter += self.iter_offset  # (a resumed epoch's batches keep their own numbers)
-        real, padded = self._real_rows(), learn.xb
+        real, padded = engine.real_rows(host, learn.iter), learn.xb  # (host.dl is learn.dl, sharded)
         if learn.training and real is not None and real < batch_size_of(learn.xb):
             # Training only: padding must not enter BatchNorm's statistics nor the loss. (An evaluation
             # batch runs whole; its padded rows are dropped from the outputs before anything scores them.)
@@ -362,7 +353,7 @@ class UnisonBridge(fastai_core.Callback):
 
     def after_pred(self) -> None:
         learn = self.learn
-        real = self._real_rows()
+        real = engine.real_rows(self.host, learn.iter)
         if learn.training or real is None:
             return
         gather = self.host.collective.gather_ordered
@@ -398,8 +389,7 @@ class UnisonBridge(fastai_core.Callback):
         else:
             total = mean * count
         host.exact_loss.count_is_rows = True
-        engine.score(host, total, count, mean)
-        learn.loss_grad = host.loss_grad
+        engine.score(host, total, count, mean)  # (after_loss hands its loss_grad to fastai)
         # (summed over ranks after the backward pass: a rank stalled before it is then seen behind
         # its peers at DDP's all-reduce, and named)
         self.loss_terms = torch.stack([total.detach().double().reshape(()), torch.tensor(count).double()])

@@ -54,8 +54,8 @@ def to_distributed(
         bridge.saved_world_size = set_world_size_env("1")
         if bridge.host.collective.rank != 0:
             learn.remove_cb(ProgressCallback)  # rank 0 alone shows progress, as in fastai's distrib_ctx
-    if bridge.host.collective.rank == 0:  # fastai's bar live under a launcher, one line per epoch in a log
-        bridge.restore_progress = use_launch_progress(learn)
+    # fastai's bar live under a launcher, one line per epoch in a log (rank 0's: no other has one now)
+    bridge.restore_progress = use_launch_progress(learn)
     return learn
 
 
@@ -70,9 +70,9 @@ def detach_distributed(learn: Any) -> Any:
         bridge.restore()
     finally:
         learn.remove_cbs([bridge, bridge.after_recorder, bridge.mixing, bridge.trainable])
-        getattr(bridge, "restore_progress", lambda: None)()
+        bridge.restore_progress()
         if distributed:
-            set_world_size_env(getattr(bridge, "saved_world_size", None))
+            set_world_size_env(bridge.saved_world_size)
             if not any(isinstance(cb, ProgressCallback) for cb in learn.cbs):
                 learn.add_cb(ProgressCallback())
     return learn

@@ -23,7 +23,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 
 import unison.fastai.distributed as bridge_api
-from unison.fastai.files import plain_learner
+from unison.fastai.files import plain_learner, together
 
 __all__ = ["ParallelTrainer"]
 
@@ -126,4 +126,4 @@ def _together(learn: Learner, what: str, work: Any) -> Any:
     bridge = bridge_api.get_bridge(learn)
     if bridge is None or not bridge.shares_files:
         return work()
-    return bridge.together(what, work)
+    return together(bridge.host.collective, what, work)  # one writer, every rank's outcome on every rank

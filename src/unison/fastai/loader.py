@@ -19,7 +19,6 @@ is ever counted.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -174,7 +173,7 @@ def check_loaders_agree(dls: Any, collective: Any) -> None:
     """Every rank must deal the same order: same items count, batch size and fastai generator state
     (a script that seeds before building its loaders has them); else one line naming it."""
     mine = {
-        name: (int(dl.n), int(dl.bs), bool(dl.shuffle), _digest(dl.rng.getstate()))
+        name: (int(dl.n), int(dl.bs), bool(dl.shuffle), epoch_seed(dl.rng))
         for name, dl in (("train", dls.train), ("valid", dls.valid))
         if dl is not None
     }
@@ -187,7 +186,3 @@ def check_loaders_agree(dls: Any, collective: Any) -> None:
                 f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
                 "seed every rank alike (fastai's set_seed) before building the DataLoaders"
             )
-
-
-def _digest(state: Any) -> str:
-    return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()

@@ -83,11 +83,7 @@ class GlobalBatchMixing(Callback):
         for mixer in self.mixers:
             mixer.after_train()
 
-    def after_cancel_train(self) -> None:
-        self.after_train()
-
-    def after_cancel_fit(self) -> None:
-        self.after_train()
+    after_cancel_train = after_cancel_fit = after_train
 
     def after_fit(self) -> None:
         self.mixers = []

@@ -23,6 +23,7 @@ EVENTS: tuple[str, ...] = (
     "after_pred",
     "after_loss",
     "before_backward",
+    "before_redo",  # only under torchft, where a step's vote failed: its forward pass comes again
     "after_backward",
     "before_step",
     "after_step",

@@ -235,6 +235,7 @@ class Learner(LoopHost):
             return
         while not engine.commit_step(self):  # torchft: summed over the replicas and voted
             self.redo_step = False  # the vote failed: the step again, on this process's new share
+            self("before_redo")
             self._score_batch()
         self("after_backward")
         self("before_step")

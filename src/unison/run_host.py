@@ -120,6 +120,7 @@ class RunLoader:
                 yield host.xb[0]  # (as a callback left it: float64 under check-exact)
                 while training and host.redo_step:  # its torchft commit failed: the same items again
                     host.redo_step = False
+                    host("before_redo")
                     yield host.xb[0]  # this rank's new share of them (no after_batch for the failed one)
                 self._end_batch(cancelled=False)
         except cancel:

@@ -19,7 +19,7 @@ class Spy(Callback):
         self.grad_dtypes.update(p.grad.dtype for p in self.learn.model.parameters())
 
 
-def _learner(cbs):
+def _learner(cbs, batchnorm=True):
     set_seed(0)
     x = torch.randn(64, 8)
     y = (x[:, 0] > 0).long()
@@ -27,7 +27,8 @@ def _learner(cbs):
         DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True),
         DataLoader(TensorDataset(x, y), batch_size=32),
     )
-    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+    norm = nn.BatchNorm1d(32) if batchnorm else nn.Identity()  # (torchft refuses BatchNorm)
+    model = nn.Sequential(nn.Linear(8, 32), norm, nn.ReLU(), nn.Linear(32, 2))
     return Learner(dls, model, nn.CrossEntropyLoss(), lr=1e-2, cbs=cbs)
 
 
@@ -54,3 +55,82 @@ def test_bf16_autocast_on_cpu_trains_with_float32_weights_and_grads(capsys):
     assert learn.validate()[0] < before and learn.scaler is None
     # outside fit, no autocast is left active
     assert learn.model(torch.randn(4, 8)).dtype == torch.float32
+
+
+class VoteFailsOnce:
+    """Stands in for torchft's vote (`unison.distributed.strategy.VotedSteps`) in one process: the
+    vote of training step `fail_at` fails once, so the loop redoes that step on the same items, as
+    it does after a replica is lost mid-step."""
+
+    kind = "torchft"
+
+    def __init__(self, host, fail_at):
+        self.host, self.fail_at, self.step, self.failed = host, fail_at, -1, False
+
+    def start_point(self, point):
+        return point
+
+    def step_share(self, epoch, step, xb, yb):
+        self.step, self.share = step, (xb, yb, False)
+        return self.share
+
+    def commit(self):
+        fails = self.step == self.fail_at and not self.failed
+        self.failed |= fails
+        return not fails, None, 0.0
+
+    def retake_step(self):
+        self.host.opt.zero_grad(set_to_none=True)  # as FaultTolerantTrainer.retake_step does
+        return self.share
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_redone_torchft_step_runs_its_forward_under_autocast_and_ends_on_the_same_weights():
+    """A step whose vote failed is redone from its forward pass: in bf16 as the step it redoes
+    (not float32 outside autocast), so the run ends on the weights of a run without the failure."""
+    spy = Spy()
+    learn = _learner([MixedPrecision("bf16"), spy], batchnorm=False)
+    learn.strategy = VoteFailsOnce(learn, fail_at=2)
+    learn.fit(1)
+    want = _weights(learn.model)
+    assert learn.strategy.failed and spy.pred_dtypes == {torch.bfloat16}
+
+    spy = Spy()
+    learn = _learner([MixedPrecision("bf16"), spy], batchnorm=False)
+    learn.fit(1)  # no vote, no failure
+    assert all(torch.equal(v, want[k]) for k, v in _weights(learn.model).items())
+
+
+def test_a_redone_torchft_step_of_your_own_loop_runs_its_forward_under_autocast():
+    from unison import Run
+
+    def train(fail_at):
+        set_seed(0)
+        x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dtypes = []
+        with Run() as run:
+            run.add_cb(MixedPrecision("bf16"))
+            model, opt = run.setup(model, opt)
+            train = run.loader(DataLoader(TensorDataset(x, y), batch_size=16))
+            if fail_at is not None:
+                run.host.strategy = VoteFailsOnce(run.host, fail_at)
+            for _ in run.epochs(1):
+                for xb, yb in train:
+                    out = model(xb)
+                    dtypes.append(out.dtype)
+                    loss = nn.functional.cross_entropy(out, yb, reduction="sum")
+                    run.backward(run.loss(loss, count=len(yb)))
+                    if not run.redoing:
+                        opt.step()
+                    opt.zero_grad()
+            return _weights(run.model), dtypes
+
+    want, _ = train(None)
+    got, dtypes = train(2)
+    assert dtypes == [torch.bfloat16] * 5  # four steps, the third one twice
+    assert all(torch.equal(v, want[k]) for k, v in got.items())

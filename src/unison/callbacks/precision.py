@@ -61,6 +61,9 @@ class MixedPrecision(Callback):
     def before_batch(self) -> None:
         self._autocast.enter_context(torch.autocast(self.learn.device.type, dtype=self.dtype))
 
+    #: A torchft step redone after its vote failed runs its forward pass in the same precision again.
+    before_redo = before_batch
+
     def after_loss(self) -> None:
         self._autocast.close()  # backward runs outside autocast, as torch recommends
 

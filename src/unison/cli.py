@@ -15,14 +15,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from unison.distributed.lighthouse import (
-    HEARTBEAT_TIMEOUT_MS,
-    JOIN_TIMEOUT_MS,
-    QUORUM_TICK_MS,
-    start_lighthouse,
-)
+from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV
-from unison.launch.lighthouse import DEFAULT_PORT
+from unison.launch.lighthouse import DEFAULT_PORT, TIMINGS, check_served
+from unison.launch.options import LaunchError
 
 _USAGE = """\
 usage: unison {launch,check-exact,env,lighthouse} ...
@@ -140,32 +136,14 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="unison lighthouse", description=what)
     parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
-    parser.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="wait for late replicas")
-    parser.add_argument(
-        "--quorum-tick-ms",
-        type=int,
-        default=QUORUM_TICK_MS,
-        help=f"quorum interval (default {QUORUM_TICK_MS})",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout-ms",
-        type=int,
-        default=HEARTBEAT_TIMEOUT_MS,
-        help=f"a replica silent this long is dropped (default {HEARTBEAT_TIMEOUT_MS})",
-    )
+    for field, default, text in TIMINGS:
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     args = parser.parse_args(list(argv))
-    for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            print(f"unison lighthouse: {flag} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    if args.min_replicas < 1:
-        print(
-            f"unison lighthouse: --min-replicas must be at least 1, got {args.min_replicas}", file=sys.stderr
-        )
-        return 2
-    if not 0 <= args.port < 65536:
-        print(f"unison lighthouse: --port must be 0-65535, got {args.port}", file=sys.stderr)
+    try:
+        check_served(args.min_replicas, args.port, {f: getattr(args, f) for f, _, _ in TIMINGS}, "--")
+    except LaunchError as exc:
+        print(f"unison lighthouse: {exc}", file=sys.stderr)
         return 2
     try:
         server = start_lighthouse(

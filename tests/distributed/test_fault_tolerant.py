@@ -498,11 +498,20 @@ def test_each_replica_loads_only_its_rows_and_a_survivor_loads_the_rows_it_lacks
     assert run["steps"] == 32 and run["events"]["redone"] == 1
 
 
-def test_unison_lighthouse_refuses_bad_input_in_one_line(capsys):
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--min-replicas", "0"], "--min-replicas must be at least 1, got 0"),
+        (["--quorum-tick-ms", "0"], "--quorum-tick-ms must be at least 1 (milliseconds), got 0"),
+        (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+    ],
+)
+def test_unison_lighthouse_refuses_bad_input_in_one_line_as_launch_does(argv, said, capsys):
+    """The same checks and words as `unison launch --start-lighthouse --lighthouse-...`."""
     from unison.cli import main
 
-    assert main(["lighthouse", "--min-replicas", "0"]) == 2
-    assert capsys.readouterr().err == "unison lighthouse: --min-replicas must be at least 1, got 0\n"
+    assert main(["lighthouse", *argv]) == 2
+    assert capsys.readouterr().err == f"unison lighthouse: {said}\n"
 
 
 @pytest.mark.lighthouse

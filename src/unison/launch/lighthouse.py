@@ -40,11 +40,12 @@ from unison.launch.options import LaunchError
 
 #: The port `unison lighthouse` and `unison launch --start-lighthouse` serve on unless told.
 DEFAULT_PORT = 29510
-#: `unison launch --start-lighthouse`'s timing options: (option, field, help).
-_TIMINGS = (
-    ("--lighthouse-join-timeout-ms", "join_timeout_ms", "started lighthouse: wait for late replicas (2000)"),
-    ("--lighthouse-quorum-tick-ms", "quorum_tick_ms", "started lighthouse: quorum check period (100)"),
-    ("--lighthouse-heartbeat-timeout-ms", "heartbeat_timeout_ms", "started lighthouse: silent = gone (5000)"),
+#: A served lighthouse's timings in ms, (field, default, what it sets): `unison lighthouse
+#: --join-timeout-ms MS`, and `unison launch --lighthouse-join-timeout-ms MS` for the one it starts.
+TIMINGS = (
+    ("join_timeout_ms", JOIN_TIMEOUT_MS, "wait for late replicas"),
+    ("quorum_tick_ms", QUORUM_TICK_MS, "quorum check period"),
+    ("heartbeat_timeout_ms", HEARTBEAT_TIMEOUT_MS, "a replica silent this long is gone"),
 )
 _ADDRESS = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
@@ -106,8 +107,32 @@ def add_replica_options(parser: argparse.ArgumentParser) -> None:
     add("--min-replicas", type=int, default=None, metavar="N", help="started lighthouse: fewest replicas")
     add("--lighthouse-port", type=int, default=None, metavar="P", help="its port (default 29510; 0: any)")
     add("--replica-id", metavar="NAME", help="this replica group's name (UNISON_REPLICA_ID); kept on restart")
-    for flag, field, text in _TIMINGS:
-        add(flag, dest=field, type=int, default=None, metavar="MS", help=text)
+    for field, default, text in TIMINGS:
+        text = f"started lighthouse: {text} ({default})"
+        add(_flag(field, "--lighthouse-"), dest=field, type=int, metavar="MS", help=text)
+
+
+def _flag(field: str, prefix: str) -> str:
+    return prefix + field.replace("_", "-")
+
+
+def check_served(
+    min_replicas: int | None, port: int | None, timings: dict[str, int | None], prefix: str
+) -> None:
+    """A lighthouse to serve, checked: raise `LighthouseOptionError` (one line) on a bad setting.
+    `prefix` starts the port's and timings' options: "--" (`unison lighthouse --port`) or
+    "--lighthouse-" (`unison launch --lighthouse-port`).
+
+    >>> check_served(2, 0, {"quorum_tick_ms": 100}, "--")
+    """
+    for field, value in timings.items():
+        if value is not None and value < 1:
+            flag = _flag(field, prefix)
+            raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {value}")
+    if min_replicas is not None and min_replicas < 1:
+        raise LighthouseOptionError(f"--min-replicas must be at least 1, got {min_replicas}")
+    if port is not None and not 0 <= port < 65536:
+        raise LighthouseOptionError(f"{prefix}port must be in 0..65535, got {port}")
 
 
 def replica_options(a: argparse.Namespace) -> ReplicaOptions:
@@ -121,19 +146,12 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
     address = _ADDRESS.match(a.lighthouse) if a.lighthouse else None
     if address is not None and not 0 < int(address.group(2)) < 65536:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
-    timings = {field: getattr(a, field, None) for _, field, _ in _TIMINGS}
-    for flag, field, _ in _TIMINGS:
-        value = timings[field]
-        if value is not None and value < 1 and a.start_lighthouse:
-            raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {value}")
+    timings = {field: getattr(a, field, None) for field, _, _ in TIMINGS}
     started_only = [("--min-replicas", a.min_replicas), ("--lighthouse-port", a.lighthouse_port)]
-    for flag, value in [(flag, timings[field]) for flag, field, _ in _TIMINGS] + started_only:
+    for flag, value in [(_flag(f, "--lighthouse-"), v) for f, v in timings.items()] + started_only:
         if value is not None and not a.start_lighthouse:
             raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
-    if a.min_replicas is not None and a.min_replicas < 1:
-        raise LighthouseOptionError(f"--min-replicas must be at least 1, got {a.min_replicas}")
-    if a.lighthouse_port is not None and not 0 <= a.lighthouse_port < 65536:
-        raise LighthouseOptionError(f"--lighthouse-port must be in 0..65535, got {a.lighthouse_port}")
+    check_served(a.min_replicas, a.lighthouse_port, timings, "--lighthouse-")
     if a.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", a.replica_id):
         raise LighthouseOptionError(
             f"--replica-id {a.replica_id!r}: use letters, digits, '.', '_' or '-' (names the group in logs)"
@@ -162,8 +180,8 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
         return
     cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
     cmd += ["--port", str(opts.lighthouse_port)]
-    for flag, field, _ in _TIMINGS:  # `unison lighthouse`'s options of the same names, less "lighthouse-"
-        cmd += [flag.replace("--lighthouse-", "--"), str(getattr(opts, field))]
+    for field, _, _ in TIMINGS:
+        cmd += [_flag(field, "--"), str(getattr(opts, field))]
     env = {**os.environ, LIGHTHOUSE_PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)

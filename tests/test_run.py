@@ -342,6 +342,49 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_naming_it(pool2):
         assert message is not None and "step 1" in message and "rank 1" in message
 
 
+def _plateau(shared: bool):
+    """A ReduceLROnPlateau given to run.setup, stepped on each epoch's validation loss: this rank's
+    own (a per-rank learning rate: refused) or the mean over `run.gather` (every rank's alike)."""
+    train_ds, valid_ds = _data(32), _data(24, seed=2)
+    model = _model(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=0.5)
+    lrs = []
+    with Run() as run:
+        model, opt, sched = run.setup(model, opt, sched)
+        train, valid = (
+            run.loader(DataLoader(train_ds, batch_size=4)),
+            run.loader(DataLoader(valid_ds, batch_size=4)),
+        )
+        try:
+            for _ in run.epochs(3):
+                for x, y in train:
+                    run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                    opt.step()
+                    opt.zero_grad()
+                with torch.no_grad():
+                    losses = [F.cross_entropy(model(x), y, reduction="none") for x, y in valid]
+                    if shared:
+                        sched.step(float(torch.cat([run.gather(t) for t in losses]).mean()))
+                    else:
+                        sched.step(float(torch.cat(losses).mean()))
+                lrs.append(opt.param_groups[0]["lr"])
+        except ValueError as exc:
+            return str(exc)
+    return lrs, {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+def test_a_plateau_scheduler_stepped_on_a_value_each_rank_computed_alone_is_refused(pool2):
+    """Each rank would set its own learning rate and the replicas drift apart, silently."""
+    for message in pool2.run(_plateau, False):
+        assert isinstance(message, str) and message.startswith("sched.step("), message
+        assert "each rank would set its own learning rate" in message and "run.gather" in message
+        assert "\n" not in message
+    (lrs, weights), (lrs1, weights1) = pool2.run(_plateau, True)  # the shared value: one schedule
+    assert lrs == lrs1 and lrs[-1] < 0.5
+    assert all(torch.equal(weights[k], weights1[k]) for k in weights)
+
+
 def test_the_package_exports_run():
     assert unison.Run is Run
 

@@ -229,6 +229,8 @@ class RunScheduler:
         host = self._host
         if host.training and (not host.grad_sync or host.redo_step):
             return
+        if args or kwargs:  # ReduceLROnPlateau's metric
+            _refuse_a_value_of_one_rank(host, args, kwargs)
         self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # get_last_lr, state_dict, optimizer, ...
@@ -236,6 +238,24 @@ class RunScheduler:
 
     def __repr__(self) -> str:
         return f"RunScheduler({self.scheduler!r})"
+
+
+def _refuse_a_value_of_one_rank(host: RunHost, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A scheduler stepped on a value (ReduceLROnPlateau's metric) must be given the same one on
+    every rank: each rank's own validation loss would give each its own learning rate, and the
+    replicas would drift apart. Every rank sees every rank's value, so all raise alike."""
+    collective = host.collective
+    if collective.world_size == 1:
+        return
+    mine = [a.tolist() if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
+    values = [repr(v) for v in collective.gather_objects(mine)]  # (repr: nan equals nan)
+    other = next((rank for rank, v in enumerate(values) if v != values[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"sched.step(...): rank 0 gave {values[0]}, rank {other} {values[other]}: each rank would set "
+            "its own learning rate; step it on a value every rank shares (a mean over run.gather(...) of "
+            "the items' losses)"
+        )
 
 
 #: Callbacks that drive the `Learner`'s own loop, and what a `Run` uses instead.

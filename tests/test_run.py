@@ -172,6 +172,44 @@ def test_zero_grad_before_backward_keeps_accumulated_gradients():
     assert _max_diff(got, expected) < TOL
 
 
+def _clipped(guarded: bool):
+    """Run(accumulate=2) with torch's clip_grad_norm_ after run.backward: at real steps only
+    (`if run.sync_gradients`), or at every batch, where a micro-batch's gradient is the step's
+    partial sum and clipping it trains another model than the plain loop."""
+    ds = _data(24)
+    model = _model(False)
+    with Run(accumulate=2) as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        train = run.loader(DataLoader(ds, batch_size=4))
+        for _ in run.epochs(1):
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                if run.sync_gradients or not guarded:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+                opt.zero_grad()
+        return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+def test_a_gradient_changed_between_accumulated_batches_is_refused_and_changed_at_real_steps_is_exact():
+    with pytest.raises(RuntimeError) as caught:
+        _clipped(guarded=False)
+    said = str(caught.value)
+    assert said.startswith("Run.backward: the gradient was changed between the batches of an accumulated")
+    assert "run.sync_gradients" in said and "GradientClip" in said and "\n" not in said
+    # The plain loop it replaced: clip once per step, on the step's whole gradient.
+    ds = _data(24)
+    model, (x, y) = _model(False), ds.tensors
+    opt = _opt(model, "sgd")
+    for first in range(0, 24, 8):
+        for b in (first, first + 4):
+            (F.cross_entropy(model(x[b : b + 4]), y[b : b + 4], reduction="sum") / 8).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    assert _max_diff(_clipped(guarded=True), model.state_dict()) < TOL
+
+
 class FailsCommitAt(unison.Callback):
     """The own loop's side of a torchft redo, in one process: at the given (epoch, step)s the step's
     commit "fails" once, as `FaultTolerantTrainer.after_backward` makes it fail (gradients dropped,

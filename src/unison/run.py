@@ -125,7 +125,8 @@ class Run:
         self._open = False
         self._orders = LoaderOrders(self.host)  # what checkpoints and heals carry besides model and opt:
         self._components: dict[str, Any] = {"data_order": self._orders}
-        self._setup_lrs, self._opt = None, None  # each group's LR as `setup` left it; its optimizer
+        self._setup_lrs: list[Any] | None = None  # each group's LR as `setup` left it
+        self._opt = RunOptimizer(self.host)  # the optimizer `setup` returns, over the one it is given
         self._backwarding = False  # inside run.backward: the loss's own .backward() is refused outside it
 
     # ---- the loop's parts ----------------------------------------------------------------
@@ -166,7 +167,6 @@ class Run:
         if host.opt is None:
             return host.model
         self._setup_lrs = [group["lr"] for group in host.opt.param_groups]
-        self._opt = RunOptimizer(host)
         if scheduler is None:
             return host.model, self._opt
         if host.opt is not opt and getattr(scheduler, "optimizer", None) is opt:
@@ -297,9 +297,11 @@ class Run:
         host("before_backward")
         self._backwarding = True
         try:
+            self._opt.refuse_changed_grads()  # (clipping at an accumulation micro-step)
             engine.backward(host)
         finally:
             self._backwarding = False
+        self._opt.hold_grads()
         engine.commit_step(host)  # under torchft: a failed step is redone by the loop's body
         host("after_backward")
 

@@ -160,6 +160,28 @@ class RunOptimizer(torch.optim.Optimizer):
     def __init__(self, host: RunHost) -> None:  # (torch's __init__ would make a second param list)
         self._host = host
         self._stepped = False  # an optimizer step was taken since the last zero_grad
+        self._held: list[int] | None = None  # the gradients' versions, as a micro-batch left them
+
+    def _grad_versions(self) -> list[int]:
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        return [-1 if g is None else g._version for g in grads]
+
+    def hold_grads(self) -> None:
+        """After a backward pass: the gradients, if partial (an accumulation micro-step), are watched
+        until the next one, where `refuse_changed_grads` finds a change made between them."""
+        host = self._host
+        self._held = None if host.grad_sync else self._grad_versions()
+
+    def refuse_changed_grads(self) -> None:
+        """Refuse (one line) a gradient changed in place since the last micro-batch's backward pass
+        (`clip_grad_norm_` at every batch): it was the step's partial sum, not the step's gradient."""
+        if self._held is not None and self._held != self._grad_versions():
+            self._held = None
+            raise RuntimeError(
+                "Run.backward: the gradient was changed between the batches of an accumulated step "
+                "(clip_grad_norm_ or another in-place change at every batch), where it is the step's "
+                "partial sum: change it only when run.sync_gradients is True, or use unison.GradientClip"
+            )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

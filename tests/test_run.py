@@ -172,6 +172,26 @@ def test_zero_grad_before_backward_keeps_accumulated_gradients():
     assert _max_diff(got, expected) < TOL
 
 
+def test_a_scheduler_stepped_at_every_batch_of_an_accumulated_step_is_refused():
+    """Not given to run.setup, a scheduler stepped after `opt.step()` moves at every batch: twice
+    as fast as the plain loop's with accumulate=2. Given to it, it steps at real steps only."""
+    model = _model(False)
+    with Run(accumulate=2) as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        train = run.loader(DataLoader(_data(16), batch_size=4))
+        with pytest.raises(RuntimeError) as caught:
+            for _ in run.epochs(1):
+                for x, y in train:
+                    run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+    said = str(caught.value)
+    assert said.startswith("Run.backward: the learning rate moved from 0.1 to 0.05 between the batches")
+    assert "run.setup(model, opt, scheduler)" in said and "\n" not in said
+
+
 def _clipped(guarded: bool):
     """Run(accumulate=2) with torch's clip_grad_norm_ after run.backward: at real steps only
     (`if run.sync_gradients`), or at every batch, where a micro-batch's gradient is the step's

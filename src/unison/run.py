@@ -297,11 +297,11 @@ class Run:
         host("before_backward")
         self._backwarding = True
         try:
-            self._opt.refuse_changed_grads()  # (clipping at an accumulation micro-step)
+            self._opt.refuse_a_changed_partial_step()  # (clipping at an accumulation micro-step)
             engine.backward(host)
         finally:
             self._backwarding = False
-        self._opt.hold_grads()
+        self._opt.hold_partial_step()
         engine.commit_step(host)  # under torchft: a failed step is redone by the loop's body
         host("after_backward")
 

@@ -160,27 +160,40 @@ class RunOptimizer(torch.optim.Optimizer):
     def __init__(self, host: RunHost) -> None:  # (torch's __init__ would make a second param list)
         self._host = host
         self._stepped = False  # an optimizer step was taken since the last zero_grad
-        self._held: list[int] | None = None  # the gradients' versions, as a micro-batch left them
+        self._held: tuple[list[int], list[float]] | None = None  # a micro-batch's gradients and LRs
 
-    def _grad_versions(self) -> list[int]:
+    def _partial_step(self) -> tuple[list[int], list[float]]:
+        """The gradients' versions (bumped by any in-place change) and each group's learning rate."""
         grads = [p.grad for group in self.param_groups for p in group["params"]]
-        return [-1 if g is None else g._version for g in grads]
+        return [-1 if g is None else g._version for g in grads], [group["lr"] for group in self.param_groups]
 
-    def hold_grads(self) -> None:
-        """After a backward pass: the gradients, if partial (an accumulation micro-step), are watched
-        until the next one, where `refuse_changed_grads` finds a change made between them."""
-        host = self._host
-        self._held = None if host.grad_sync else self._grad_versions()
+    def hold_partial_step(self) -> None:
+        """After a backward pass that does not end an optimizer step (an accumulation micro-step):
+        its gradients and learning rates, which nothing may change before the next batch's."""
+        self._held = None if self._host.grad_sync else self._partial_step()
 
-    def refuse_changed_grads(self) -> None:
-        """Refuse (one line) a gradient changed in place since the last micro-batch's backward pass
-        (`clip_grad_norm_` at every batch): it was the step's partial sum, not the step's gradient."""
-        if self._held is not None and self._held != self._grad_versions():
-            self._held = None
+    def refuse_a_changed_partial_step(self) -> None:
+        """Refuse (one line) a change since the last micro-batch's backward pass: a gradient changed
+        in place (`clip_grad_norm_` at every batch clips the step's partial sum), or a learning rate
+        moved (a scheduler stepped at every batch, not at every step)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        grads, lrs = self._partial_step()
+        if held[0] != grads:
             raise RuntimeError(
                 "Run.backward: the gradient was changed between the batches of an accumulated step "
                 "(clip_grad_norm_ or another in-place change at every batch), where it is the step's "
                 "partial sum: change it only when run.sync_gradients is True, or use unison.GradientClip"
+            )
+        moved = [(was, now) for was, now in zip(held[1], lrs, strict=True) if was != now]
+        if moved:
+            was, now = moved[0]
+            raise RuntimeError(
+                f"Run.backward: the learning rate moved from {was:.3g} to {now:.3g} between the "
+                "batches of an accumulated step (a scheduler stepped at every batch): give it to "
+                "run.setup(model, opt, scheduler), which steps it at real steps only, or step it when "
+                "run.sync_gradients is True"
             )
 
     @property

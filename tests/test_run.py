@@ -341,6 +341,44 @@ def test_gather_gives_every_item_once_in_data_order(pool2):
     assert accuracy == float((expected == y).float().mean())
 
 
+def _generated(pad_value):
+    """Each item "generates" as many tokens as its index mod 3 says (a rank's batch padded with -1
+    to its own longest), gathered as an evaluation of generated sequences would be."""
+    model = _model(False)
+    with Run() as run:
+        run.setup(model).eval()
+        valid = run.loader(DataLoader(TensorDataset(torch.arange(10)), batch_size=2), train=False)
+        gathered = []
+        try:
+            for (i,) in valid:
+                longest = int((i % 3).max()) + 1
+                tokens = torch.stack(
+                    [torch.arange(longest).where(torch.arange(longest) <= k % 3, -1) for k in i]
+                )
+                gathered.append(
+                    run.gather(tokens, pad_value=pad_value) if pad_value is not None else run.gather(tokens)
+                )
+        except ValueError as exc:
+            return str(exc)
+        return gathered
+
+
+def test_gather_refuses_rows_of_different_sizes_unless_told_what_fills_them(pool2):
+    """Padding the shorter rows with 0 would be a token; the one-process batch is padded with the
+    value the user pads with."""
+    for said in pool2.run(_generated, None):
+        assert isinstance(said, str) and said.startswith("run.gather: the ranks' rows differ in size"), said
+        assert "pad_value=" in said and "\n" not in said
+    for gathered in pool2.run(_generated, -1):  # the global batch of 4, padded as one process pads it
+        for b, tokens in enumerate(gathered):
+            items = range(4 * b, min(4 * b + 4, 10))
+            longest = max(k % 3 for k in items) + 1
+            want = torch.stack(
+                [torch.arange(longest).where(torch.arange(longest) <= k % 3, -1) for k in items]
+            )
+            assert torch.equal(tokens, want)
+
+
 class _PythonRandomSampler(Sampler):
     """Shuffles with Python's `random`, which nothing seeds alike on every rank."""
 

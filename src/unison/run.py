@@ -28,10 +28,8 @@ a replica lost mid-step fails the step's commit vote, and the survivors' loop bo
 the same items, re-split among those left (`run.redoing` is True in the failed pass, whose
 `opt.step()` is skipped); a replacement heals from a live peer and joins.
 
-Refused in one line, never silently wrong: `run.loss` without `count` (a loss averaged on each rank
-weighs ranks, not items), its `.backward()` outside `run.backward`, a training pass over a raw
-DataLoader, a scheduler moving the LR unknown to unison (at the first checkpoint); with
-`fault_tolerant=True`: `accumulate > 1`, `shard=True`, BatchNorm.
+What it cannot make exact (a loss averaged on each rank, a backward outside `run.backward`, ...) it
+refuses in one line rather than train silently wrong: docs/own-loop.md lists each refusal.
 """
 
 from __future__ import annotations
@@ -342,13 +340,15 @@ class Run:
             ckpt.every = Checkpoint(every=every).every  # (checked as the constructor checks it)
         return ckpt.file
 
-    def gather(self, value: Any) -> Any:
+    def gather(self, value: Any, pad_value: float | None = None) -> Any:
         """`value` (a tensor, or a tuple / list / dict of them, one row per item of this rank's batch)
         from every rank, rows in data order, on every rank: each valid item once, padding never.
+        Rows whose sizes differ between ranks (generated sequences) are refused unless `pad_value`
+        says what fills the shorter ones, as one process pads its batch.
 
             preds = run.gather(model(x).argmax(1))
         """
-        return map_tensors(lambda t: self.host.collective.gather_ordered(t), value)
+        return map_tensors(lambda t: self.host.collective.gather_ordered(t, pad_value, "run.gather"), value)
 
     def add_cb(self, cb: Callback) -> Run:
         """Attach a unison callback, run at the events this loop reaches (`GradientClip`, ...); one

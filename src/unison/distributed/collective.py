@@ -68,12 +68,13 @@ class Collective:
 
         return result
 
-    def gather_ordered(self, t: Tensor, pad_value: float = 0) -> Tensor:
+    def gather_ordered(self, t: Tensor, pad_value: float | None = 0, who: str = "gather_ordered") -> Tensor:
         """Rows of every rank's `t`, interleaved as `DistributedDL` strided them.
 
         Row `k` of rank `r` holds global position `r + k * world_size`; the result puts
         each row back at its global position. Ranks may hold different numbers of rows
-        and different sizes past dim 0 (padded with `pad_value` to the largest).
+        and different sizes past dim 0 (padded with `pad_value` to the largest; with
+        `pad_value=None` that is a `ValueError`, its message starting with `who`).
         """
         if not self.active:
             return t
@@ -82,16 +83,24 @@ class Collective:
         dist.all_gather(shapes, shape, group=self.group)
         sizes = torch.stack(shapes).tolist()
         if any(len(s) != t.dim() for s in sizes):
-            raise ValueError("gather_ordered: ranks hold tensors with different numbers of dimensions")
+            raise ValueError(f"{who}: ranks hold tensors with different numbers of dimensions")
+        other = next((r for r, size in enumerate(sizes) if size[1:] != sizes[0][1:]), None)
+        if pad_value is None and other is not None:
+            raise ValueError(
+                f"{who}: the ranks' rows differ in size (rank 0's {tuple(sizes[0][1:])}, rank {other}'s "
+                f"{tuple(sizes[other][1:])}): pad them to one size, or give pad_value= to fill the shorter "
+                "rows"
+            )
         max_shape = [max(s[d] for s in sizes) for d in range(t.dim())]
-        padded = t.new_full(max_shape, pad_value, device=self.device)
+        fill = 0 if pad_value is None else pad_value  # (rows alone differ: no fill is kept)
+        padded = t.new_full(max_shape, fill, device=self.device)
         padded[tuple(slice(0, n) for n in t.shape)] = t.to(self.device)
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded.contiguous(), group=self.group)
         rows = [p[: s[0]] for p, s in zip(parts, sizes, strict=True)]
         trailing = tuple(slice(0, n) for n in max_shape[1:])
         total = sum(s[0] for s in sizes)
-        out = t.new_full([total, *max_shape[1:]], pad_value, device=self.device)
+        out = t.new_full([total, *max_shape[1:]], fill, device=self.device)
         for r, part in enumerate(rows):
             index = (slice(r, r + self.world_size * len(part), self.world_size), *trailing)
             out[index] = part

@@ -188,8 +188,41 @@ def test_a_scheduler_stepped_at_every_batch_of_an_accumulated_step_is_refused():
                     sched.step()
                     opt.zero_grad()
     said = str(caught.value)
-    assert said.startswith("Run.backward: the learning rate moved from 0.1 to 0.05 between the batches")
-    assert "run.setup(model, opt, scheduler)" in said and "\n" not in said
+    assert said.startswith("Run.backward: the learning rate moved from 0.1 to 0.05 (a scheduler stepped at")
+    assert "no optimizer step" in said and "run.setup(model, opt, scheduler)" in said and "\n" not in said
+
+
+def _averaged(guarded: bool, fail_at=None):
+    """An EMA of the weights (torch's AveragedModel, registered for checkpointing) updated after
+    `opt.step()`: at real steps only (`if run.sync_gradients`), or at every batch."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = _model(False)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    with Run(accumulate=1 if fail_at else 2) as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        run.register_for_checkpointing(ema)
+        if fail_at:
+            run.add_cb(FailsCommitAt([fail_at]))
+        train = run.loader(DataLoader(_data(24), batch_size=4))
+        for _ in run.epochs(1):
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+                if run.sync_gradients or not guarded:
+                    ema.update_parameters(run.model)
+    return ema
+
+
+@pytest.mark.parametrize("fail_at", [None, (0, 2)], ids=["accumulated", "torchft-redo"])
+def test_an_averaged_model_updated_in_a_pass_without_a_step_is_refused(fail_at):
+    with pytest.raises(
+        RuntimeError, match=r"^Run.backward: the registered AveragedModel:0 was updated after a"
+    ):
+        _averaged(guarded=False, fail_at=fail_at)
+    steps = 3 if fail_at is None else 6
+    assert int(_averaged(guarded=True, fail_at=fail_at).n_averaged) == steps
 
 
 def _clipped(guarded: bool):
@@ -215,7 +248,7 @@ def test_a_gradient_changed_between_accumulated_batches_is_refused_and_changed_a
     with pytest.raises(RuntimeError) as caught:
         _clipped(guarded=False)
     said = str(caught.value)
-    assert said.startswith("Run.backward: the gradient was changed between the batches of an accumulated")
+    assert said.startswith("Run.backward: the gradient was changed in place (clip_grad_norm_ at every batch")
     assert "run.sync_gradients" in said and "GradientClip" in said and "\n" not in said
     # The plain loop it replaced: clip once per step, on the step's whole gradient.
     ds = _data(24)

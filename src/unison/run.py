@@ -124,7 +124,7 @@ class Run:
         self._orders = LoaderOrders(self.host)  # what checkpoints and heals carry besides model and opt:
         self._components: dict[str, Any] = {"data_order": self._orders}
         self._setup_lrs: list[Any] | None = None  # each group's LR as `setup` left it
-        self._opt = RunOptimizer(self.host)  # the optimizer `setup` returns, over the one it is given
+        self._opt = RunOptimizer(self.host, self._components)  # what `setup` returns, over the given one
         self._backwarding = False  # inside run.backward: the loss's own .backward() is refused outside it
 
     # ---- the loop's parts ----------------------------------------------------------------
@@ -175,9 +175,9 @@ class Run:
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and restore `objects` (each with `state_dict` / `load_state_dict`: an EMA of the
-        weights, a step counter, a scheduler stepped your own way) with every checkpoint, and carry
-        them in a torchft heal; restored after the optimizer, whose hyper-parameters they leave as
-        restored. Register the same objects, in the same order, in the run that resumes.
+        weights, updated when `run.sync_gradients` is True, a step counter, ...) with every checkpoint,
+        and carry them in a torchft heal; restored after the optimizer, whose hyper-parameters they
+        leave as restored. Register the same objects, in the same order, in the run that resumes.
 
             run.register_for_checkpointing(ema)
         """
@@ -295,13 +295,13 @@ class Run:
         host("before_backward")
         self._backwarding = True
         try:
-            self._opt.refuse_a_changed_partial_step()  # (clipping at an accumulation micro-step)
+            self._opt.refuse_a_changed_untaken_step()  # (clipping at an accumulation micro-step)
             engine.backward(host)
         finally:
             self._backwarding = False
-        self._opt.hold_partial_step()
         engine.commit_step(host)  # under torchft: a failed step is redone by the loop's body
         host("after_backward")
+        self._opt.hold_untaken_step()
 
     def _refuse_bare_backward(self, grad: Tensor) -> None:
         if not self._backwarding:

@@ -11,12 +11,14 @@ engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 import unison.engine as engine
@@ -152,49 +154,65 @@ class RunLoader:
             host._batch_cancelled = False  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class _Untaken:
+    """What a pass that took no optimizer step leaves: the gradients' versions (any in-place change
+    bumps them), each group's learning rate, and how often each registered `AveragedModel` averaged."""
+
+    grads: list[int]
+    lrs: list[float]
+    averaged: dict[str, int]
+
+    @classmethod
+    def of(cls, groups: list[dict[str, Any]], components: dict[str, Any]) -> _Untaken:
+        grads = [p.grad for group in groups for p in group["params"]]
+        averaged = {name: int(c.n_averaged) for name, c in components.items() if isinstance(c, AveragedModel)}
+        return cls([-1 if g is None else g._version for g in grads], [g["lr"] for g in groups], averaged)
+
+
 class RunOptimizer(torch.optim.Optimizer):
     """The optimizer `Run.setup` returns: the real one (FSDP2 rebuilds it over the shards), whose
     `step` fires the step's events and is skipped on accumulation micro-steps, as `zero_grad` is.
     Everything else (`param_groups`, `state_dict`, LR schedulers) is the real optimizer's."""
 
-    def __init__(self, host: RunHost) -> None:  # (torch's __init__ would make a second param list)
-        self._host = host
+    def __init__(self, host: RunHost, components: dict[str, Any]) -> None:  # (not torch's __init__:
+        self._host, self._components = host, components  # it would make a second param list)
         self._stepped = False  # an optimizer step was taken since the last zero_grad
-        self._held: tuple[list[int], list[float]] | None = None  # a micro-batch's gradients and LRs
+        self._held: _Untaken | None = None  # what a pass that took no step left
 
-    def _partial_step(self) -> tuple[list[int], list[float]]:
-        """The gradients' versions (bumped by any in-place change) and each group's learning rate."""
-        grads = [p.grad for group in self.param_groups for p in group["params"]]
-        return [-1 if g is None else g._version for g in grads], [group["lr"] for group in self.param_groups]
+    def hold_untaken_step(self) -> None:
+        """After a training batch's backward pass and its events: where it takes no optimizer step
+        (an accumulation micro-batch, or a torchft pass whose vote failed), what nothing may change
+        before the next backward pass (`refuse_a_changed_untaken_step`)."""
+        host = self._host
+        taken = host.grad_sync and not host.redo_step
+        self._held = None if taken else _Untaken.of(self.param_groups, self._components)
 
-    def hold_partial_step(self) -> None:
-        """After a backward pass that does not end an optimizer step (an accumulation micro-step):
-        its gradients and learning rates, which nothing may change before the next batch's."""
-        self._held = None if self._host.grad_sync else self._partial_step()
-
-    def refuse_a_changed_partial_step(self) -> None:
-        """Refuse (one line) a change since the last micro-batch's backward pass: a gradient changed
-        in place (`clip_grad_norm_` at every batch clips the step's partial sum), or a learning rate
-        moved (a scheduler stepped at every batch, not at every step)."""
+    def refuse_a_changed_untaken_step(self) -> None:
+        """Refuse (one line) what changed since a pass that took no optimizer step, as a plain loop
+        that steps every k batches does at its steps only: a gradient changed in place (clipping the
+        step's partial sum), a learning rate moved, a registered `AveragedModel` updated."""
         held, self._held = self._held, None
         if held is None:
             return
-        grads, lrs = self._partial_step()
-        if held[0] != grads:
-            raise RuntimeError(
-                "Run.backward: the gradient was changed between the batches of an accumulated step "
-                "(clip_grad_norm_ or another in-place change at every batch), where it is the step's "
-                "partial sum: change it only when run.sync_gradients is True, or use unison.GradientClip"
-            )
-        moved = [(was, now) for was, now in zip(held[1], lrs, strict=True) if was != now]
-        if moved:
-            was, now = moved[0]
-            raise RuntimeError(
-                f"Run.backward: the learning rate moved from {was:.3g} to {now:.3g} between the "
-                "batches of an accumulated step (a scheduler stepped at every batch): give it to "
-                "run.setup(model, opt, scheduler), which steps it at real steps only, or step it when "
-                "run.sync_gradients is True"
-            )
+        now = _Untaken.of(self.param_groups, self._components)
+        fix = "do it only when run.sync_gradients is True"
+        if held.grads != now.grads:
+            fix = "clip when run.sync_gradients is True, or use unison.GradientClip"
+            what = "the gradient was changed in place (clip_grad_norm_ at every batch clips a partial sum)"
+        elif held.lrs != now.lrs:
+            was, lr = next((a, b) for a, b in zip(held.lrs, now.lrs, strict=True) if a != b)
+            what = f"the learning rate moved from {was:.3g} to {lr:.3g} (a scheduler stepped at every batch)"
+            fix = "give the scheduler to run.setup(model, opt, scheduler), which steps it at real steps only"
+        elif held.averaged != now.averaged:
+            name = next(k for k in held.averaged if held.averaged[k] != now.averaged[k])
+            what = f"the registered {name} was updated"
+        else:
+            return
+        raise RuntimeError(
+            f"Run.backward: {what} after a pass that took no optimizer step (an accumulation "
+            f"micro-batch, or a torchft pass whose vote failed): {fix}"
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -779,3 +779,15 @@ def test_validate_without_default_callbacks():
         out = learn.model(xv)
     assert loss == pytest.approx(F.cross_entropy(out, yv).item(), rel=1e-6)
     assert acc == pytest.approx((out.argmax(-1) == yv).float().mean().item(), abs=1e-7)
+
+
+def test_a_fit_without_lr_starts_at_the_learners_lr_after_a_scheduled_fit():
+    """A fit after fit_one_cycle trained at the LR the cycle's last batch left (about lr_max / div_final),
+    not at `learn.lr`; each fit starts at `learn.lr`, as fastai's does and as fit_one_cycle's `lr_max=None`
+    means."""
+    learn = make_learner(dls=make_dls(n_train=64, bs=8), lr=1e-3)
+    learn.fit_one_cycle(1, lr_max=1e-2)
+    assert learn.recorder.lrs[-1] < 1e-3  # the cycle ended below learn.lr
+    learn.fit(1)
+    assert learn.recorder.lrs[8:] == [1e-3] * 8
+    assert all(g["lr"] == 1e-3 for g in learn.opt.param_groups)

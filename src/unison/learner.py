@@ -151,16 +151,16 @@ class Learner(LoopHost):
         resume: bool = False,
     ) -> None:
         """Train for `n_epoch` epochs, validating after each. `lr`: every param group's LR keeping their
-        ratios (a float), spread geometrically (`slice(lo, hi)`), or one per group (a list).
-        `resume=True` continues from the newest checkpoint a `Checkpoint` callback wrote:
-        `learn.fit(3, lr=1e-3)`, `learn.fit(10, resume=True)`.
+        ratios (a float), spread geometrically (`slice(lo, hi)`), or one per group (a list); None:
+        `learn.lr`, whatever LR an earlier fit's schedule left. `resume=True` continues from the newest
+        checkpoint a `Checkpoint` callback wrote: `learn.fit(3, lr=1e-3)`, `learn.fit(10, resume=True)`.
         """
         check_fit_args(self, n_epoch, lr, cbs)
         with self.added_cbs(cbs), handling(self):  # preemption signals, handled while fit runs
             if self.opt is None:
                 self.create_opt()
-            if lr is not None:
-                self.set_lr(lr)
+            # Every fit starts at its LR (fastai's too): an earlier schedule leaves its last one behind.
+            self.set_lr(self.lr if lr is None else lr)
             engine.start_fit(self, n_epoch, learner_files.resume(self) if resume else None)
             assert self.opt is not None
             self.opt.zero_grad(set_to_none=True)

@@ -80,6 +80,44 @@ def test_reduce_lr_on_plateau_gives_every_rank_the_lrs_of_one_process(pool2):
         assert max_diff(w1, w2) < 1e-6
 
 
+# ---- a torch scheduler in a second fit -----------------------------------------------------------
+class StepLRs(Callback):
+    order = 60  # the LR each optimizer step takes
+
+    def __init__(self):
+        self.lrs = []
+
+    def before_step(self):
+        self.lrs.append(self.learn.opt.param_groups[0]["lr"])
+
+
+def warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+
+
+def test_a_second_fit_builds_its_torch_scheduler_on_that_fits_lr():
+    """A torch scheduler built at the second fit took the first fit's `initial_lr`, which torch keeps in
+    the param groups, as its base: `fit(1, lr=0.01)` warmed up to the first fit's 0.05."""
+    set_seed(0)
+    learn = Learner(make_dls(64, 8, bs=8), nn.Linear(4, 2), nn.CrossEntropyLoss(), opt_func=torch.optim.SGD)
+    first, second = StepLRs(), StepLRs()
+    with quiet():
+        learn.fit(1, lr=0.05, cbs=[LRSchedulerCallback(warmup), first])
+        learn.fit(1, lr=0.01, cbs=[LRSchedulerCallback(warmup), second])
+
+    def torch_lrs(lr):  # independent: torch's scheduler on a fresh optimizer at that LR
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+        sched, lrs = warmup(opt), []
+        for _ in range(8):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return lrs
+
+    assert first.lrs == pytest.approx(torch_lrs(0.05))
+    assert second.lrs == pytest.approx(torch_lrs(0.01))
+
+
 # ---- a torch scheduler across a resume (issue 48.2) ----------------------------------------------
 class CrashAt(Callback):
     """A crash after the Checkpoint callback (order 90) saved batch `it` of `epoch`."""

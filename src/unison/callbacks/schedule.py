@@ -127,6 +127,11 @@ class LRSchedulerCallback(Callback):
         # only) hands make_scheduler its None, as an LR scheduler's constructor refuses it.
         opt = cast(torch.optim.Optimizer, self.learn.opt)
         if self._pending is None:
+            # A fresh schedule starts from this fit's LRs: torch takes a group's `initial_lr`, which a
+            # scheduler an earlier fit built on this optimizer left behind, as its base LR instead.
+            for group in opt.param_groups if opt is not None else []:
+                lr = group["lr"]
+                group["initial_lr"] = lr.clone() if isinstance(lr, torch.Tensor) else lr
             self.scheduler = self.make_scheduler(opt)
         else:  # resumed from a checkpoint: the optimizer holds the interrupted run's LR and momentum
             with kept_hyperparameters(opt):  # (the constructor writes its first step's into it)

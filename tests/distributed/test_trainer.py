@@ -89,6 +89,43 @@ def test_parity_three_ranks(pool3):
     assert max(pool3.run(_parity, "bn", False)) < 1e-5
 
 
+class _WithUnusedHead(nn.Module):
+    """An MLP and a second head its forward pass never calls (a leftover, a head for another task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.unused_head = _mlp(), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _unused_parameter(find_unused):
+    multi = _learner(_WithUnusedHead, bs=8)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), multi.distrib_ctx(find_unused_parameters=find_unused):
+            multi.fit(1)
+    except RuntimeError as exc:
+        return str(exc)
+    single = _learner(_WithUnusedHead, bs=8 * dist.get_world_size())
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.fit(1)
+    a, b = _weights(single), _weights(multi)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_a_parameter_without_a_gradient_is_named_at_the_first_step_with_the_fix(pool2):
+    """DDP's all-reduce never finishes for a step where a parameter got no gradient: each rank would
+    step on its own gradient (silently, at a fit's last step), then the next forward pass fails with
+    DDP's advice. Named at the first step instead, on every rank; with the fix, one process's weights."""
+    for said in pool2.run(_unused_parameter, False):
+        assert said.startswith(
+            "distrib_ctx: parameters unused_head.weight, unused_head.bias got no gradient"
+        ), said
+        assert "find_unused_parameters=True" in said and "\n" not in said
+    assert max(pool2.run(_unused_parameter, True)) < 1e-5
+
+
 def _exact_eval():
     auc = AccumMetric(roc_auc, activation=lambda p: p.softmax(-1)[:, 1], name="auc")
     single = _learner(_mlp, bs=16, metrics=[accuracy, auc])

@@ -114,6 +114,7 @@ class DistributedTrainer(MonitoredRanks, Callback):
         self._kwargs: dict[str, Any] = {}  # DDP's arguments, as `setup` made them
         #: Which parameters required a gradient when DDP wrapped the model (None: not wrapped).
         self.trainable: tuple[bool, ...] | None = None
+        self._first_step = False  # the wrapped model's first step is yet to be checked for unused parameters
 
     def setup(self, parts: TrainingParts) -> TrainingParts:
         learn = self.learn
@@ -169,6 +170,8 @@ class DistributedTrainer(MonitoredRanks, Callback):
         empty = [name for name, p in model.named_parameters() if p.numel() == 0]
         if empty:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, empty)
+        handles_unused = {"find_unused_parameters", "static_graph"}  # (DDP's ways around unused parameters)
+        self._first_step = not any(self._kwargs.get(name) for name in handles_unused)
         return DistributedDataParallel(model, device_ids=device_ids, **self._kwargs)
 
     def rewrap(self, parts: TrainingParts) -> TrainingParts:
@@ -195,6 +198,26 @@ class DistributedTrainer(MonitoredRanks, Callback):
             # nn.Module's stubs type an unknown attribute as Tensor | Module: no_sync is DDP's method.
             self._no_sync = cast(Any, self.learn.model).no_sync()
             self._no_sync.__enter__()
+
+    def after_backward(self) -> None:
+        """At the wrapped model's first real step: refuse (one line, on every rank) parameters that
+        got no gradient. DDP waits for every parameter's gradient before it all-reduces any: without
+        `find_unused_parameters=True` the step would take each rank's own gradient (silently, at a
+        fit's last step), and the next forward pass fails with DDP's advice."""
+        learn = self.learn
+        if not (self._first_step and learn.training and learn.grad_sync):
+            return
+        self._first_step = False
+        model = cast(nn.Module, learn.model.module)  # (DDP's, as `_ddp` wrapped it)
+        unused = [n for n, p in model.named_parameters() if p.requires_grad and p.numel() and p.grad is None]
+        found = next((names for names in learn.collective.gather_objects(unused) if names), None)
+        if found:
+            api = learn.parallel_api
+            raise RuntimeError(
+                f"{api}: parameters {', '.join(found[:4])}{', ...' if len(found) > 4 else ''} got no "
+                "gradient (the forward pass does not use them), and DDP waits for every gradient before "
+                f"it sums any: pass {api}(find_unused_parameters=True), or freeze them (requires_grad=False)"
+            )
 
     def after_batch(self) -> None:
         # (Not after an evaluation batch inside a training batch, as an own loop may run: the training

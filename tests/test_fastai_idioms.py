@@ -166,14 +166,16 @@ def test_fastais_gradient_accumulation_steps_where_one_process_steps(tmp_path: P
 
 
 def test_a_ranks_own_error_is_reported_as_its_own_not_as_a_stall(tmp_path: Path) -> None:
-    """A layer the model never calls: DDP raises its own error on every rank, and the job reports it
-    (naming the parameters and the fix, find_unused_parameters) instead of a stalled rank."""
+    """A layer the model never calls: the first step is refused on every rank, and the job reports it
+    (naming the parameters and the fix in the fastai script's own call, distrib_ctx's
+    find_unused_parameters) instead of a stalled rank."""
     script = ROOT / "tests" / "scripts" / "fastai_unused_parameter.py"
     cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(script)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = run_or_report(cmd, 300, env=env, cwd=tmp_path)
     assert proc.returncode != 0
-    assert "did not receive grad" in proc.stderr and "find_unused_parameters" in proc.stderr
+    assert "extra.weight, extra.bias got no gradient" in proc.stderr
+    assert "pass learn.distrib_ctx(find_unused_parameters=True)" in proc.stderr  # fastai's call, not Run's
     assert "stopped taking part" not in proc.stderr
 
 
@@ -191,3 +193,37 @@ def test_gradient_accumulation_that_ends_an_epoch_mid_step_is_refused_with_check
     assert proc.returncode != 0
     assert "GradientAccumulation with checkpoints" in proc.stderr and "60 rows into a step" in proc.stderr
     assert not (tmp_path / "models" / "checkpoint.pth").exists()
+
+
+SEAMS = ROOT / "tests" / "scripts" / "fastai_seams.py"
+
+
+def test_train_metrics_custom_metrics_and_a_test_dl_are_fastai_alones(tmp_path: Path) -> None:
+    """`learn.recorder.train_metrics = True` with accuracy, RocAucBinary and an sklearn f1 through
+    skm_to_fastai, fit_flat_cos(wd=0.1), fit_sgdr, validate(dl=test_dl), get_preds(act=, reorder=False):
+    on 2 processes as fastai alone. The train metrics score every rank's rows of each batch (they
+    scored rank 0's: accuracy 0.851 where one process has 0.833)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run([sys.executable, str(SEAMS), "--plain", "--out", str(one)], cwd=tmp_path)
+    launch(2, two, script=SEAMS)
+    alone = rank_files(one, 1)[0]
+    for rank in rank_files(two, 2):
+        assert len(rank["values"]) == len(alone["values"]) == 2
+        for mine, theirs in zip(alone["values"], rank["values"], strict=True):  # train and valid metrics
+            assert max(abs(x - y) for x, y in zip(mine, theirs, strict=True)) < TOL, (mine, theirs)
+        assert max(abs(x - y) for x, y in zip(alone["validated"], rank["validated"], strict=True)) < TOL
+        assert alone["preds"].shape == rank["preds"].shape == (77, 2)
+        assert float((alone["preds"] - rank["preds"]).abs().max()) < TOL
+        assert max_diff(alone, rank) < TOL
+
+
+def test_get_preds_on_a_loader_of_each_ranks_own_rows_is_refused(tmp_path: Path) -> None:
+    """Each rank passes get_preds a test_dl of its own 40 rows: the bridge deals one loader's items
+    across ranks and gathers them, so each rank got a mix of both ranks' rows. Refused, naming it."""
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SEAMS), "--own-rows"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_or_report([*cmd, "--out", str(tmp_path / "x")], 300, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "differs on rank(s) [1] from rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert "outside distrib_ctx" in proc.stderr
+    assert not (tmp_path / "x.rank0.pt").exists()

@@ -46,7 +46,7 @@ from unison.data.batch import batch_size_of, map_tensors, take_rows
 from unison.distributed.strategy import ParallelConfig
 from unison.events import fire
 from unison.fastai.accumulation import Accumulation, find_accumulation, refuse_unresumable
-from unison.fastai.loader import RankShardedFastaiDL, check_loaders_agree, needs_share
+from unison.fastai.loader import RankShardedFastaiDL, check_loader_agrees, check_loaders_agree, needs_share
 from unison.fastai.lr_find import end_sweep, start_sweep
 from unison.fastai.state import (
     CallbackStates,
@@ -124,6 +124,7 @@ class UnisonBridge(fastai_core.Callback):
             learn.create_opt()
         self.opt_at_setup = learn.opt
         host = RunHost(config, 1, Path(learn.path), Path(learn.model_dir))
+        host.parallel_api = "learn.distrib_ctx"  # (where the engine's messages send a fastai user's options)
         host.model, host.loss_func = learn.model, learn.loss_func
         self.recorder = host.recorder = RecorderView(learn)
         host.add_cb(NonFiniteCheck("stop"))
@@ -331,7 +332,9 @@ class UnisonBridge(fastai_core.Callback):
 
     def before_validate(self) -> None:
         learn, host = self.learn, self.host
-        learn.dl = self.shard(learn.dl, pad=True)
+        given, learn.dl = learn.dl, self.shard(learn.dl, pad=True)
+        if learn.dl is not given and learn.lock.locked() and self.world_size > 1:  # (validate, get_preds)
+            check_loader_agrees(given, host.collective)
         host.dl, host.training = learn.dl, False
 
     # ---- one batch ----------------------------------------------------------------------
@@ -350,6 +353,15 @@ class UnisonBridge(fastai_core.Callback):
             host.grad_sync = self.accumulation.before_batch(learn.dl.global_rows(learn.iter))
         self.fire("before_batch")
         learn.xb, learn.yb = host.xb, host.yb  # (float64 under `unison check-exact --float64`)
+
+    def after_batch(self) -> None:
+        learn = self.learn
+        scored = learn.metrics and getattr(getattr(learn, "recorder", None), "train_metrics", False)
+        if learn.training and self.world_size > 1 and scored:
+            # fastai's train metrics (Recorder, 50) score the global batch, as one process's do
+            gather = self.host.collective.gather_ordered
+            learn.pred = map_tensors(lambda t: gather(t.detach()), learn.pred)
+            learn.yb = tuple(map_tensors(gather, y) for y in learn.yb)
 
     def after_pred(self) -> None:
         learn = self.learn

@@ -19,12 +19,16 @@ is ever counted.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import sys
+from pathlib import PurePath
 from typing import Any
 
 from fastai.data.core import TfmdDL
 from fastai.data.load import _FakeLoader
 from fastai.torch_core import to_detach
+from fastcore.foundation import L
 
 from unison.data.plan import PositionPlan, RankPlan, strided_plan
 from unison.fastai.augment import (
@@ -36,7 +40,7 @@ from unison.fastai.augment import (
     seeded_batches,
 )
 
-__all__ = ["RankShardedFastaiDL", "check_loaders_agree", "needs_share"]
+__all__ = ["RankShardedFastaiDL", "check_loader_agrees", "check_loaders_agree", "needs_share"]
 
 
 class RankShardedFastaiDL(TfmdDL):
@@ -186,3 +190,38 @@ def check_loaders_agree(dls: Any, collective: Any) -> None:
                 f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
                 "seed every rank alike (fastai's set_seed) before building the DataLoaders"
             )
+
+
+def check_loader_agrees(dl: Any, collective: Any) -> None:
+    """The loader of a `validate(dl=...)` or `get_preds(dl=...)` must be one loader on every rank (its
+    items are dealt across ranks and every prediction gathered on every rank): same item count, batch
+    size and, where they are a table or a list of paths, names or numbers, items; else one line."""
+    mine = (int(dl.n), int(dl.bs), items_digest(dl))
+    everyone = collective.gather_objects(mine)
+    others = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if others:
+        (n0, bs0, _), (n, bs, _) = everyone[0], everyone[others[0]]
+        raise ValueError(
+            f"unison.fastai: validate/get_preds on a loader that differs on rank(s) {others} from rank 0 "
+            f"(rank 0: n={n0}, bs={bs0}; rank {others[0]}: n={n}, bs={bs}, or other items): inside "
+            "distrib_ctx every rank passes the same loader and gets every prediction; to predict each "
+            "rank's own items, call it outside distrib_ctx"
+        )
+
+
+def items_digest(dl: Any) -> str | None:
+    """A digest of `dl`'s items where they are a pandas table or a list of paths, names or numbers
+    (fastai's tabular and image loaders); None where they are anything else."""
+    pandas = sys.modules.get("pandas")  # (imported already where the items are a table)
+    items = getattr(dl.dataset, "items", dl.dataset)
+    digest = hashlib.blake2b(digest_size=8)
+    if pandas is not None and isinstance(items, pandas.DataFrame):
+        digest.update(pandas.util.hash_pandas_object(items).to_numpy().tobytes())
+    elif isinstance(items, (list, tuple, L)):
+        for item in items:
+            if not isinstance(item, (str, PurePath, int, float)):
+                return None
+            digest.update(f"{item}\0".encode())
+    else:
+        return None
+    return digest.hexdigest()

@@ -55,7 +55,10 @@ def group_sum(flat: Tensor, replica_id: str) -> None:
 
 @dataclass
 class StepVector:
-    """A step's gradients and riders, flat, to be summed in place across ranks and replicas."""
+    """A step's gradients and riders, flat, to be summed in place across ranks and replicas: each
+    parameter's gradient (zeros where it has none), one flag per parameter (1 where it has one: a
+    parameter no replica used keeps no gradient, as in one process, so AdamW leaves it alone), then
+    the riders."""
 
     params: list[nn.Parameter]
     flat: Tensor
@@ -67,27 +70,31 @@ class StepVector:
         """The vector of this rank's share of the step (see the module's docstring)."""
         params = [p for p in learn.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        used = [torch.tensor([float(p.grad is not None) for p in params])] if params else []
         riders = []
         if learn.loss is not None and grads:
             count = torch.tensor(float(learn.loss_count))
-            riders = [torch.stack([learn.loss.detach().cpu() * count, count]).to(grads[0])]
-        flat = torch.cat([*(g.reshape(-1) for g in grads), *riders])
+            riders = [torch.stack([learn.loss.detach().cpu() * count, count])]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *(t.to(grads[0]) for t in used + riders)])
         counted = bool(riders) and learn.exact_loss.count_is_rows is False
         if counted:  # normalise_grads divided by the share's count: back to the share's sum
-            flat[:-2].mul_(float(learn.loss_count))
+            flat[: sum(p.numel() for p in params)].mul_(float(learn.loss_count))
         return cls(params, flat, bool(riders), counted)
 
     def unpack(self) -> tuple[Tensor | None, float]:
-        """Set each parameter's gradient from the summed vector; return the global batch's loss and
-        count (the same on every replica: the recorder's train_loss), or (None, 0.0) without them."""
+        """Set each parameter's gradient from the summed vector (none where no replica had one);
+        return the global batch's loss and count (the same on every replica: the recorder's
+        train_loss), or (None, 0.0) without them."""
         flat = self.flat
+        n_grads = sum(p.numel() for p in self.params)
         total = float(flat[-1]) if self.riders else 0.0
         if self.counted and total > 0:
-            flat[:-2].div_(total)
+            flat[:n_grads].div_(total)
+        used = flat[n_grads : n_grads + len(self.params)].tolist()
         offset = 0
-        for p in self.params:
+        for p, flag in zip(self.params, used, strict=True):
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p).clone() if flag else None
             offset += n
         if total > 0:  # (each rank of a group: the recorder's own sum keeps it)
             return flat[-2] / flat[-1], total

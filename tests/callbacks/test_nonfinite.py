@@ -232,6 +232,23 @@ def test_one_process_skip_equals_a_plain_loop_without_that_step(tmp_path):
     assert any("skipped" in str(w.message) and "step 5" in str(w.message) for w in caught)
 
 
+def test_skip_with_accumulation_leaves_the_whole_step_out_of_the_recorded_losses(tmp_path):
+    """A NaN on a step's first micro-batch: the step is skipped, and neither micro-batch's loss is
+    recorded (the first one's NaN was, and made the epoch's train_loss NaN)."""
+    from unison import GradientAccumulation
+
+    poison = Poison(step=4, rank=0)  # micro-batches 4 and 5 make global step 2
+    learn = _learner(tmp_path, GLOBAL_BS // 2, cbs=[poison, GradientAccumulation(2)], on_nonfinite="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _fit(learn, epochs=1) is None
+    assert _close(_state(learn.model), _state(_plain(skip={(0, 2)})))
+    losses = learn.recorder.losses
+    assert len(losses) == N_TRAIN // (GLOBAL_BS // 2) - 2 and all(map(math.isfinite, losses))
+    assert learn.recorder.values[0][0] == pytest.approx(sum(losses) / len(losses))  # equal batches
+    assert len(learn.recorder.lrs) == len(losses)
+
+
 def test_a_nan_gradient_from_a_finite_loss_stops_too(tmp_path):
     learn = _learner(tmp_path, GLOBAL_BS, kind="sqrt", cbs=[Poison(step=3, rank=0, kind="kink")])
     got = _outcome(_fit(learn))

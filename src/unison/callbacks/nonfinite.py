@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
+from unison.callbacks.recorder import Recorder
 from unison.distributed.fsdp import is_sharded
 from unison.events import Callback, CancelBatchException
 from unison.rng import get_rng_state, set_rng_state
@@ -295,6 +296,8 @@ class NonFiniteCheck(Callback):
         assert learn.opt is not None
         learn.opt.zero_grad(set_to_none=True)
         learn.loss = None  # not recorded: the epoch's loss is over the steps taken
+        if isinstance(learn.recorder, Recorder):
+            learn.recorder.forget_step()  # nor the step's earlier micro-batches (accumulation)
         self.skipped.append((error.epoch, error.step, error.ranks))
         self._warn_skipped(error, "skipped that step on every rank")
         raise CancelBatchException()

@@ -57,6 +57,10 @@ class Recorder(Callback):
         # Which phases our `before_*` opened: a callback of lower order may cancel a phase
         # before we saw it begin, and its `after_*` must not report a previous phase's values.
         self._open: set[str] = set()
+        # Where the optimizer step in progress began in the lists above (losses, LRs), while one is
+        # open: a step skipped at its last micro-batch leaves its earlier ones out (`forget_step`).
+        self._in_step = False
+        self._step_marks = (0, 0)
 
     @property
     def metric_names(self) -> list[str]:
@@ -92,6 +96,7 @@ class Recorder(Callback):
         self._batch_sizes = [float(n) for n in partial["sizes"].tolist()]
         self._carry = partial["carry"]
         self._n_resumed = len(self._batch_losses)
+        self._in_step = False
 
     def before_validate(self) -> None:
         self._open.add("validate")
@@ -99,8 +104,21 @@ class Recorder(Callback):
         for m in self.learn.metrics:
             m.reset()
 
+    def before_batch(self) -> None:
+        if self.learn.training and not self._in_step:  # the first batch of an optimizer step
+            self._in_step = True
+            self._step_marks = (len(self._batch_losses), len(self.lrs))
+
+    def forget_step(self) -> None:
+        """Leave the optimizer step in progress out of the record: the losses and LRs of the
+        micro-batches it had so far (a step `NonFiniteCheck` skips at its last one)."""
+        losses, lrs = self._step_marks
+        del self._batch_losses[losses:], self._batch_sizes[losses:], self.lrs[lrs:]
+
     def after_batch(self) -> None:
         learn = self.learn
+        if learn.training and learn.grad_sync:
+            self._in_step = False  # this batch ended its optimizer step
         if learn.loss is None or self.paused:
             return
         n = learn.loss_count  # the loss's own terms: samples, or tokens for a SummedLoss

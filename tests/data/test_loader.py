@@ -72,6 +72,17 @@ def test_lengths_and_drop_last(drop_last, lengths):
         assert (len(ddl), ddl.n_items) == lengths == (len(batches), sum(len(b) for b in batches))
 
 
+@pytest.mark.parametrize("n, world_size, bs", [(11, 2, 2), (50, 4, 4), (23, 3, 2), (5, 2, 4)])
+def test_an_evaluation_with_drop_last_drops_what_one_process_drops_at_the_global_batch(n, world_size, bs):
+    """One process at batch size W * bs evaluates the whole global batches only; so do W ranks
+    (each rank's remainder was dropped instead: 11 items at 2 x 2 were all scored, not 8)."""
+    dl = DataLoader(list(range(n)), batch_size=bs, drop_last=True)
+    ddls = [DistributedDL(dl, r, world_size) for r in range(world_size)]
+    scored = sorted(i for d in ddls for b in d for i in b.tolist())
+    assert scored == list(range(n - n % (world_size * bs)))
+    assert all(d.n_real == d.n_items and len(d) == n // (world_size * bs) for d in ddls)
+
+
 def test_n_real_marks_the_padding():
     dl = DataLoader(list(range(N)), batch_size=16)
     ddls = [DistributedDL(dl, r, 4) for r in range(4)]

@@ -240,15 +240,17 @@ class DistributedDL(RankShare):
 
     @property
     def n_items(self) -> int:
-        """How many items this rank yields per epoch (`ceil(n / W)`, less the dropped last batch;
-        with `pad=False`, its real items of the epoch's global batches)."""
+        """How many items this rank yields per epoch (`ceil(n / W)`; with `drop_last`, its share of
+        the whole global batches, as one process at batch size `W * bs` drops its last one; with
+        `pad=False`, its real items of the epoch's global batches)."""
         if self.dealt:
             return sum(len(b[self.rank :: self.world_size]) for b in self._dealt_batches(self.epoch))
         if not self.pad:
             real_items = max(0, math.ceil((self._n - self.rank) / self.world_size))
             return min(real_items, len(self) * self.batch_size)
-        items = math.ceil(self._n / self.world_size)
-        return items - items % self.batch_size if self.drop_last else items
+        if self.drop_last:
+            return self._n // (self.world_size * self.batch_size) * self.batch_size
+        return math.ceil(self._n / self.world_size)
 
     @property
     def n_real(self) -> int:

@@ -257,3 +257,20 @@ def test_lr_find_ignores_trackers_and_leaves_their_state_and_files(tmp_path):
     assert len(learn.lr_finder.losses) == 10  # not cut short by EarlyStopping on stale values
     assert best_file.read_bytes() == saved_bytes
     assert (stop.best, stop.wait, save.best) == state
+
+
+def test_lr_find_writes_no_checkpoint_for_a_resumed_fit_to_start_from(tmp_path):
+    """lr_find's sweep saved checkpoints (Checkpoint(every=2)): `fit(1, resume=True)` then resumed at the
+    sweep's step 10 from its diverged weights, on the first run of the script."""
+    whole = make_learner(path=tmp_path / "whole")  # independent: the same fit without the sweep
+    whole.fit(1)
+
+    learn = make_learner(path=tmp_path / "swept", cbs=[Checkpoint(every=2)])
+    learn.lr_find(num_it=10, end_lr=100)
+    assert not (tmp_path / "swept" / "models" / "checkpoint.pth").exists()
+    assert [type(cb).__name__ for cb in learn.cbs].count("Checkpoint") == 1  # still there for the fit
+    learn.fit(1, resume=True)
+    assert (tmp_path / "swept" / "models" / "checkpoint.pth").exists()
+    assert torch.equal(learn.model.weight, whole.model.weight)
+    assert torch.equal(learn.model.bias, whole.model.bias)
+    assert learn.recorder.losses == whole.recorder.losses

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from unison.callbacks.recorder import global_means
+from unison.checkpoint.callback import Checkpoint
 from unison.checkpoint.components import kept_hyperparameters
 from unison.data.stream import loader_length
 from unison.events import Callback, CancelFitException, CancelValidException
@@ -240,10 +241,16 @@ def lr_find(
     batches = loader_length(learn.dls.train)  # None: a stream of unknown length
     n_batches = max(1, batches // max(1, learn.collective.world_size)) if batches else 1
     n_epoch = math.ceil(num_it / n_batches)  # enough passes; the finder stops the fit at num_it
+    # The sweep is not the run: a checkpoint of its diverging weights would be what a later
+    # `fit(resume=True)` continues from, so the learner's Checkpoint callbacks sit it out.
+    callbacks = list(learn.cbs)
+    for cb in [c for c in callbacks if isinstance(c, Checkpoint)]:
+        learn.remove_cb(cb)
     try:
         with learn.recorder.pause():
             learn.fit(n_epoch, cbs=[finder])
     finally:
         learn.restore(snapshot)
+        learn.cbs = callbacks
     learn.lr_finder = finder
     return finder.suggestion()

@@ -111,6 +111,27 @@ def test_a_loss_already_averaged_is_refused_in_one_line():
             run.loss(torch.tensor(0.5, requires_grad=True))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_per_item_losses_that_leave_out_ignored_targets_are_refused_naming_the_count(smoothing):
+    """`reduction="none"` with ignore_index gives 0 for an ignored token: counted as a term, the
+    step's gradient would be the mean over every token, not over the scored ones."""
+    model = _model(False)
+    with Run() as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        train = run.loader(DataLoader(_data(8, tokens=True), batch_size=8))
+        for _ in run.epochs(1):
+            for x, y in train:
+                per_item = F.cross_entropy(
+                    model(x), y, ignore_index=IGNORE, reduction="none", label_smoothing=smoothing
+                )
+                with pytest.raises(ValueError) as caught:
+                    run.loss(per_item.view(-1, 1))
+                run.loss(per_item.sum(), count=int((y != IGNORE).sum()))  # what it says instead
+    said = str(caught.value)
+    assert said.startswith(f"Run.loss: these per-item losses leave out {int((y == IGNORE).sum())} ignored")
+    assert "count=(labels != -100).sum()" in said and "\n" not in said
+
+
 def test_what_run_cannot_do_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"fault_tolerant=True\) does not support accumulate=2"):
         Run(fault_tolerant=True, accumulate=2)  # (the rest: tests/distributed/test_fault_tolerant_run.py)

@@ -171,6 +171,35 @@ def own_loss_count(logits: Any, labels: Tensor, loss: Tensor) -> int:
     return count_by_rule(own_loss_rule(logits, labels, loss), labels)
 
 
+#: Autograd nodes a per-item loss passes through unchanged item for item: shapes, copies, and the
+#: sum and scaling `cross_entropy(..., label_smoothing=s)` adds.
+_ITEMWISE = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SqueezeBackward0",
+             "SqueezeBackward1", "UnsqueezeBackward0", "CloneBackward0", "ToCopyBackward0",
+             "AddBackward0", "MulBackward0", "MulBackward1", "SelectBackward0"}  # fmt: skip
+
+
+def ignored_targets(per_item: Tensor) -> tuple[int, int]:
+    """`(how many, ignore_index)` of the targets a per-item `nll_loss` / `cross_entropy`
+    (`reduction="none"`) behind `per_item` left out: each such item is a 0, not a loss term. Read
+    from the autograd graph torch recorded (so only in training); `(0, 0)` when none.
+
+    >>> logits = torch.zeros(3, 2, requires_grad=True)
+    >>> ignored_targets(F.cross_entropy(logits, torch.tensor([0, -100, 1]), reduction="none"))
+    (1, -100)
+    """
+    nodes, seen = [per_item.grad_fn], 0
+    while nodes and seen < 16:
+        node, seen = nodes.pop(), seen + 1
+        name = type(node).__name__
+        if name == "NllLossBackward0" and node._saved_reduction == 0:  # type: ignore[union-attr]
+            ignore = int(node._saved_ignore_index)  # type: ignore[union-attr]
+            ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # (saved as an unsigned int64)
+            return int((node._saved_target == ignore).sum()), ignore  # type: ignore[union-attr]
+        if name in _ITEMWISE:
+            nodes += [next_node for next_node, _ in node.next_functions if next_node is not None]  # type: ignore[union-attr]
+    return 0, 0
+
+
 def model_loss(out: Any) -> Tensor:
     """A model's own loss: `out.loss`, `out["loss"]`, or the 0-dim first element of a tuple
     (`return_dict=False`)."""

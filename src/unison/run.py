@@ -64,6 +64,7 @@ from unison.run_host import (
     RunOptimizer,
     RunScheduler,
     check_schedulers,
+    loss_terms,
     refuse_learner_callback,
     require_training_batch,
     track_steps,
@@ -251,26 +252,14 @@ class Run:
     def loss(self, value: Tensor, count: float | Tensor | None = None, *, reduction: str = "sum") -> Tensor:
         """What to backpropagate for this batch's loss: `value` is the sum of `count` loss terms
         (samples, tokens), and W processes then train exactly as one on the global batch, whatever
-        each rank's count. Per-item losses (`reduction="none"`) need no count; `reduction="mean"`
-        with `count` takes a mean. In evaluation it returns the batch's mean loss.
+        each rank's count. Per-item losses (`reduction="none"`) need no count, unless their loss left
+        targets out (`ignore_index`: refused, naming the count); `reduction="mean"` with `count`
+        takes a mean. In evaluation it returns the batch's mean loss.
 
             loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))
         """
         host = self.host
-        if not isinstance(value, Tensor):
-            raise TypeError(f"Run.loss: give the loss as a tensor, got {type(value).__name__}")
-        if value.dim() > 0 and count is None:
-            value, count = value.sum(), value.numel()  # one term per element
-        if count is None:
-            raise ValueError(
-                "Run.loss(loss, count=...): a loss already averaged on each rank is not exact (it weighs "
-                "ranks, not items): pass the sum with count= (samples or tokens it sums), or per-item losses"
-            )
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f'Run.loss: reduction must be "sum" or "mean", got {reduction!r}')
-        count = float(count.item() if isinstance(count, Tensor) else count)
-        mean = value if reduction == "mean" else None
-        total = value if reduction == "sum" else value.nan_to_num(0.0) * count  # (an empty share: 0)
+        total, count, mean = loss_terms(value, count, reduction)
         if host.model is not None and host.model.training:
             require_training_batch(host, "Run.loss")
         host.exact_loss.count_is_rows = False  # counted by the loop: summed over ranks at each step

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
@@ -35,6 +35,7 @@ from unison.events import (
     CancelValidException,
 )
 from unison.loop_host import LoopHost
+from unison.losses import ignored_targets
 
 __all__ = [
     "LoaderOrders",
@@ -327,6 +328,36 @@ def refuse_learner_callback(cb: Any) -> None:
     for kind, instead in _LEARNER_LOOP_CALLBACKS.items():
         if isinstance(cb, kind):
             raise ValueError(f"Run.add_cb({type(cb).__name__}): {instead}")
+
+
+def loss_terms(
+    value: Any, count: float | Tensor | None, reduction: str
+) -> tuple[Tensor, float, Tensor | None]:
+    """What `run.loss` was given, as `(sum, count, mean)` (the mean None unless given), checked:
+    a loss averaged on each rank is refused (it weighs ranks, not items), as are per-item losses
+    that leave targets out (`ignore_index`: their zeros would count as terms)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"Run.loss: give the loss as a tensor, got {type(value).__name__}")
+    if value.dim() > 0 and count is None:
+        ignored, index = ignored_targets(value)
+        if ignored:
+            raise ValueError(
+                f"Run.loss: these per-item losses leave out {ignored} ignored target(s) (ignore_index="
+                f"{index}), which would count as terms: pass the sum and the scored count, "
+                f"run.loss(loss.sum(), count=(labels != {index}).sum())"
+            )
+        value, count = value.sum(), value.numel()  # one term per element
+    if count is None:
+        raise ValueError(
+            "Run.loss(loss, count=...): a loss already averaged on each rank is not exact (it weighs "
+            "ranks, not items): pass the sum with count= (samples or tokens it sums), or per-item losses"
+        )
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f'Run.loss: reduction must be "sum" or "mean", got {reduction!r}')
+    count = float(count.item() if isinstance(count, Tensor) else count)
+    mean = value if reduction == "mean" else None
+    total = value if reduction == "sum" else value.nan_to_num(0.0) * count  # (an empty share: 0)
+    return total, count, mean
 
 
 def require_training_batch(host: RunHost, what: str) -> None:

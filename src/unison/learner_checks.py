@@ -1,6 +1,6 @@
 """What a `Learner` refuses before it trains, each in one line naming the fix: arguments of the
-wrong kind, a one-cycle schedule over a stream of unknown length, a batch on another device than
-the model, a model on the meta device.
+wrong kind, a one-cycle schedule or gradient accumulation over a stream of unknown length, a
+batch on another device than the model, a model on the meta device.
 
     check_learner_args(dls, model, nn.CrossEntropyLoss(), torch.optim.AdamW, 1e-3, None)
 """
@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from unison.callbacks.schedule import OneCycleScheduler
+from unison.callbacks.training import GradientAccumulation
 from unison.data.batch import DataLoaders, tensors_in
 from unison.data.checks import refuse_empty_train
 from unison.data.stream import loader_length
@@ -43,12 +44,13 @@ def check_learner_args(
         raise ValueError(f"Learner: steps_per_epoch must be a positive int or None: {steps_per_epoch}")
 
 
-def refuse_unknown_length(train: Any, steps_per_epoch: int | None) -> None:
-    """The one-cycle schedule needs the epoch's length: a stream without one is refused at `fit`."""
+def refuse_unknown_length(train: Any, steps_per_epoch: int | None, needs: str) -> None:
+    """What `needs` the epoch's length (the one-cycle schedule; gradient accumulation, to end each
+    epoch with a step) refuses a stream without one at `fit`."""
     if isinstance(getattr(train, "dataset", None), IterableDataset) and steps_per_epoch is None:
         if loader_length(train) is None:
             raise ValueError(
-                f"fit: the one-cycle schedule needs the epoch's length, and the train stream "
+                f"fit: {needs} needs the epoch's length, and the train stream "
                 f"({type(train.dataset).__name__}) has no len(): give the dataset a __len__ or pass "
                 "Learner(steps_per_epoch=...)"
             )
@@ -78,4 +80,9 @@ def check_fit_args(learn: Any, n_epoch: int, lr: Any, cbs: Any) -> None:
         check_lr(lr)
     refuse_empty_train(learn.dls.train)
     if any(isinstance(cb, OneCycleScheduler) for cb in [*learn.cbs, *cbs]):
-        refuse_unknown_length(learn.dls.train, learn.steps_per_epoch)
+        refuse_unknown_length(learn.dls.train, learn.steps_per_epoch, "the one-cycle schedule")
+    if any(isinstance(cb, GradientAccumulation) for cb in [*learn.cbs, *cbs]):
+        # (an epoch's last batch it cannot see would carry its gradient into the next epoch's step)
+        refuse_unknown_length(
+            learn.dls.train, learn.steps_per_epoch, "GradientAccumulation (to end each epoch with a step)"
+        )

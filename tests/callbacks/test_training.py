@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from unison import (
     Callback,
@@ -274,3 +275,52 @@ def test_lr_find_writes_no_checkpoint_for_a_resumed_fit_to_start_from(tmp_path):
     assert torch.equal(learn.model.weight, whole.model.weight)
     assert torch.equal(learn.model.bias, whole.model.bias)
     assert learn.recorder.losses == whole.recorder.losses
+
+
+class Stream(IterableDataset):
+    """The regression set as a stream: no len()."""
+
+    def __init__(self, n):
+        self.x, self.y = regression_data(n, seed=1)
+
+    def __iter__(self):
+        return zip(self.x, self.y, strict=True)
+
+
+def _plain_accumulated(n_acc, bs=8, n_batches=4, epochs=2):
+    """One process, the last batches of each epoch ending in a step, as the callback promises."""
+    x, y = regression_data(bs * n_batches, seed=1)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(epochs):
+        for start in range(0, n_batches, n_acc):
+            chunk = range(start, min(start + n_acc, n_batches))
+            for i in chunk:
+                xb, yb = x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs]
+                (F.mse_loss(model(xb), yb, reduction="sum") / (bs * len(chunk))).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_gradient_accumulation_over_a_stream_of_unknown_length_is_refused_before_a_step():
+    """It never saw an epoch's last batch (no len()): that batch's gradient was carried into the next
+    epoch's first step, and the last epoch's never applied."""
+
+    def stream_learner(**kwargs):
+        torch.manual_seed(0)
+        dls = DataLoaders(DataLoader(Stream(32), batch_size=8), None)
+        return Learner(dls, nn.Linear(4, 1), nn.MSELoss(), opt_func=torch.optim.SGD, lr=0.05, **kwargs)
+
+    learn = stream_learner()
+    before = learn.model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"GradientAccumulation.*no len\(\).*steps_per_epoch"):
+        learn.fit(2, cbs=[GradientAccumulation(3)])
+    assert torch.equal(learn.model.weight, before)
+
+    learn = stream_learner(steps_per_epoch=4)  # the epoch's length given: its last batch ends a step
+    learn.fit(2, cbs=[GradientAccumulation(3)])
+    expected = _plain_accumulated(3)
+    torch.testing.assert_close(learn.model.weight, expected.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(learn.model.bias, expected.bias, atol=1e-6, rtol=0)

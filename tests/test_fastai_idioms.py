@@ -227,3 +227,16 @@ def test_get_preds_on_a_loader_of_each_ranks_own_rows_is_refused(tmp_path: Path)
     assert "differs on rank(s) [1] from rank 0" in proc.stderr, proc.stderr[-3000:]
     assert "outside distrib_ctx" in proc.stderr
     assert not (tmp_path / "x.rank0.pt").exists()
+
+
+def test_loaders_built_from_each_ranks_own_rows_are_refused_at_the_first_fit(tmp_path: Path) -> None:
+    """Each rank builds TabularDataLoaders from its own half of the table (the same sizes, seed and
+    batch): the bridge deals positions of each rank's own order, so the job trained on half of each
+    half and scored a mix. Refused before a step, naming the loader and the rank."""
+    cmd = [sys.executable, "-m", "unison.launch", "--nproc", "2", str(SEAMS), "--own-shard"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_or_report([*cmd, "--out", str(tmp_path / "x")], 300, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "the train loader differs on rank(s) [1] from rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert "from the same items" in proc.stderr
+    assert not (tmp_path / "x.rank0.pt").exists()

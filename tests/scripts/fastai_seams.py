@@ -2,7 +2,8 @@
 global batch) or on W processes: fastai's train metrics (`learn.recorder.train_metrics = True`, a
 sklearn metric through `skm_to_fastai`, `RocAucBinary`), `fit_flat_cos` with `wd`, `fit_sgdr`,
 `validate(dl=...)` and `get_preds(dl=..., act=..., reorder=False)` on a `test_dl`; with `--own-rows`,
-each rank asks `get_preds` for its own rows (a loader that differs between ranks).
+each rank asks `get_preds` for its own rows (a loader that differs between ranks); with `--own-shard`,
+each rank builds its DataLoaders from its own half of the table, as a torch script shards its files.
 
     python tests/scripts/fastai_seams.py --plain --out one
     python -m unison.launch --nproc 2 tests/scripts/fastai_seams.py --out two
@@ -16,7 +17,17 @@ import sys
 from pathlib import Path
 
 import torch
-from fastai.tabular.all import Callback, RocAucBinary, accuracy, skm_to_fastai
+from fastai.tabular.all import (
+    Callback,
+    Categorify,
+    CategoryBlock,
+    Normalize,
+    RocAucBinary,
+    TabularDataLoaders,
+    accuracy,
+    set_seed,
+    skm_to_fastai,
+)
 from sklearn.metrics import f1_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -28,6 +39,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--plain", action="store_true", help="fastai alone, one process, no unison")
 parser.add_argument("--out", required=True)
 parser.add_argument("--own-rows", action="store_true", help="each rank predicts 40 rows of its own")
+parser.add_argument("--own-shard", action="store_true", help="each rank's loaders hold its own half")
 args = parser.parse_args()
 
 
@@ -56,6 +68,19 @@ learn.path = out.parent
 learn.metrics = [accuracy, RocAucBinary(), skm_to_fastai(f1_score)]
 learn.recorder.train_metrics = True  # fastai's metrics on the training batches too
 table = make_table()
+if args.own_shard:  # the same sizes and seed on every rank, other rows
+    set_seed(42)
+    shard = table.iloc[rank::world].reset_index(drop=True)
+    learn.dls = TabularDataLoaders.from_df(
+        shard,
+        procs=[Categorify, Normalize],
+        cat_names=["colour", "size"],
+        cont_names=["a", "b", "c"],
+        y_names="label",
+        y_block=CategoryBlock(),
+        valid_idx=list(range(400, 500)),
+        bs=60 // world,
+    )
 with learn.no_bar(), learn.no_logging() if args.plain else learn.distrib_ctx():
     if args.own_rows:  # each rank's own 40 rows, as each would predict alone
         learn.get_preds(dl=learn.dls.test_dl(table.iloc[40 * rank : 40 * rank + 40]))

@@ -174,10 +174,11 @@ def needs_share(dl: Any, world_size: int, checkpointing: bool) -> bool:
 
 
 def check_loaders_agree(dls: Any, collective: Any) -> None:
-    """Every rank must deal the same order: same items count, batch size and fastai generator state
-    (a script that seeds before building its loaders has them); else one line naming it."""
+    """Every rank must deal the same order of the same items: same items count, batch size, fastai
+    generator state (a script that seeds before building its loaders has them) and, where they are a
+    table or a list of paths, names or numbers, items (`items_digest`); else one line naming it."""
     mine = {
-        name: (int(dl.n), int(dl.bs), bool(dl.shuffle), epoch_seed(dl.rng))
+        name: (int(dl.n), int(dl.bs), bool(dl.shuffle), epoch_seed(dl.rng), items_digest(dl))
         for name, dl in (("train", dls.train), ("valid", dls.valid))
         if dl is not None
     }
@@ -188,7 +189,8 @@ def check_loaders_agree(dls: Any, collective: Any) -> None:
             raise ValueError(
                 f"unison.fastai: the {name} loader differs on rank(s) {others} from rank 0 (items, batch "
                 f"size or shuffle order; rank 0: n={everyone[0][name][0]}, bs={everyone[0][name][1]}): "
-                "seed every rank alike (fastai's set_seed) before building the DataLoaders"
+                "build every rank's DataLoaders from the same items, seeded alike (fastai's set_seed), "
+                "and the bridge deals each rank its share"
             )
 
 
@@ -216,7 +218,10 @@ def items_digest(dl: Any) -> str | None:
     items = getattr(dl.dataset, "items", dl.dataset)
     digest = hashlib.blake2b(digest_size=8)
     if pandas is not None and isinstance(items, pandas.DataFrame):
-        digest.update(pandas.util.hash_pandas_object(items).to_numpy().tobytes())
+        try:
+            digest.update(pandas.util.hash_pandas_object(items).to_numpy().tobytes())
+        except TypeError:  # (cells pandas cannot hash: lists, dicts)
+            return None
     elif isinstance(items, (list, tuple, L)):
         for item in items:
             if not isinstance(item, (str, PurePath, int, float)):

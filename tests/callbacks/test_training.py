@@ -287,9 +287,10 @@ class Stream(IterableDataset):
         return zip(self.x, self.y, strict=True)
 
 
-def _plain_accumulated(n_acc, bs=8, n_batches=4, epochs=2):
-    """One process, the last batches of each epoch ending in a step, as the callback promises."""
-    x, y = regression_data(bs * n_batches, seed=1)
+def _plain_accumulated(n_acc, bs=8, n_batches=4, epochs=2, n_items=32):
+    """One process over the first `n_batches` of the `n_items` of `Stream(n_items)`, the last
+    batches of each epoch ending in a step, as the callback promises."""
+    x, y = regression_data(n_items, seed=1)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -324,3 +325,17 @@ def test_gradient_accumulation_over_a_stream_of_unknown_length_is_refused_before
     expected = _plain_accumulated(3)
     torch.testing.assert_close(learn.model.weight, expected.weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(learn.model.bias, expected.bias, atol=1e-6, rtol=0)
+
+
+def test_a_stream_that_ends_before_steps_per_epoch_inside_an_accumulated_step_is_refused():
+    """3 batches where steps_per_epoch says 4: the epoch ended on a micro-batch whose gradient was
+    carried into the next epoch's step. Refused there, the weights those of the last real step."""
+    torch.manual_seed(0)
+    dls = DataLoaders(DataLoader(Stream(24), batch_size=8), None)
+    learn = Learner(dls, nn.Linear(4, 1), nn.MSELoss(), opt_func=torch.optim.SGD, lr=0.05, steps_per_epoch=4)
+    with pytest.raises(
+        ValueError, match=r"ended after 3 of steps_per_epoch=4 batches.*GradientAccumulation\(2\)"
+    ):
+        learn.fit(2, cbs=[GradientAccumulation(2)])
+    expected = _plain_accumulated(2, n_batches=2, epochs=1, n_items=24)  # the step of batches 0 and 1
+    torch.testing.assert_close(learn.model.weight, expected.weight, atol=1e-6, rtol=0)

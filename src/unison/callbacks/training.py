@@ -59,7 +59,23 @@ class GradientAccumulation(Callback):
         if not self._step_now:
             raise CancelBatchException()  # keep the gradients, skip step and zero_grad
 
-    def after_train(self) -> None:
-        self.learn.grad_sync = True  # validation and other loops always "step"
+    def before_train(self) -> None:
+        self._cancelled = False
 
-    after_fit = after_train  # (and a fit cancelled mid-epoch)
+    def after_cancel_train(self) -> None:
+        self._cancelled = True
+
+    def after_train(self) -> None:
+        learn = self.learn
+        pending = not learn.grad_sync and not self._cancelled
+        learn.grad_sync = True  # validation and other loops always "step"
+        if pending:  # a stream shorter than steps_per_epoch: its last batch was not the one expected
+            raise ValueError(
+                f"fit: the train stream ended after {learn.iter + 1} of steps_per_epoch={learn.n_iter} "
+                f"batches, inside an accumulated step of GradientAccumulation({self.n_acc}): its gradient "
+                "would be carried into the next epoch's step; give Learner(steps_per_epoch=...) the "
+                "batches the stream holds"
+            )
+
+    def after_fit(self) -> None:
+        self.learn.grad_sync = True  # (a fit cancelled mid-epoch)

@@ -453,6 +453,28 @@ def test_two_processes_skip_equals_a_plain_loop_without_that_step(pool2, tmp_pat
     assert all(math.isfinite(v) for row in values0 for v in row)
 
 
+def _skip_accumulated_two(path):
+    from unison import GradientAccumulation
+
+    cbs = [Poison(step=2, rank=1), GradientAccumulation(2)]  # micro-batches 2 and 3: global step 1
+    learn = _learner(path, GLOBAL_BS // 4, cbs=cbs, on_nonfinite="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _outcome(_fit(learn, epochs=1, distributed=True))
+    return got, _state(learn.raw_model), learn.recorder.losses, learn.recorder.values
+
+
+@pytest.mark.slow
+def test_two_processes_skip_with_accumulation_records_neither_micro_batch(pool2, tmp_path):
+    """Every rank leaves the same micro-batches out of its record (the losses are reduced batch by batch)."""
+    (got0, w0, losses0, values0), (got1, w1, losses1, _) = pool2.run(_skip_accumulated_two, str(tmp_path))
+    assert got0 is None and got1 is None, (got0, got1)
+    expected = _state(_plain(skip={(0, 1)}))
+    assert _close(w0, expected) and _close(w1, expected)
+    assert losses0 == losses1 and len(losses0) == 2 * N_TRAIN // GLOBAL_BS - 2
+    assert all(math.isfinite(v) for v in [*losses0, *values0[0]])
+
+
 def _valid_two(path):
     learn = _learner(path, GLOBAL_BS // 2, cbs=[Poison(step=1, rank=1, epoch=0, phase="valid")])
     return _outcome(_fit(learn, epochs=2, distributed=True))

@@ -132,6 +132,21 @@ def test_per_item_losses_that_leave_out_ignored_targets_are_refused_naming_the_c
     assert "count=(labels != -100).sum()" in said and "\n" not in said
 
 
+def test_per_item_losses_weighted_by_class_are_refused_naming_the_weights_as_the_count():
+    """Each item weighs its target's class weight: one process's weighted mean divides by those."""
+    model = _model(False)
+    with Run() as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        for _ in run.epochs(1):
+            for x, y in run.loader(DataLoader(_data(8), batch_size=8)):
+                weight = torch.tensor([1.0, 3.0], dtype=torch.float64)
+                with pytest.raises(
+                    ValueError, match=r"weighted by their targets' class weights.*count=weight\[labels\]"
+                ):
+                    run.loss(F.cross_entropy(model(x), y, weight=weight, reduction="none"))
+                run.loss(F.cross_entropy(model(x), y, weight=weight, reduction="sum"), count=weight[y].sum())
+
+
 def test_what_run_cannot_do_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"fault_tolerant=True\) does not support accumulate=2"):
         Run(fault_tolerant=True, accumulate=2)  # (the rest: tests/distributed/test_fault_tolerant_run.py)

@@ -27,8 +27,11 @@ from unison.losses import (
     TokenCrossEntropy,
     count_by_rule,
     model_loss,
+    nll_module,
     output_logits,
     own_loss_rule,
+    uncounted_mean,
+    weighted_count,
     zero_loss,
 )
 
@@ -128,6 +131,23 @@ class ExactLoss:
             self.count_is_rows = False
             count = out.count
             return out.total, float(count.item() if isinstance(count, Tensor) else count), None
+        module = nll_module(func)
+        if (
+            module is not None
+            and module.weight is not None
+            and learn.yb
+            and not learn.yb[0].is_floating_point()
+        ):
+            self.count_is_rows = False  # a class-weighted mean: over its targets' weights
+            weights = weighted_count(module, learn.yb[0])
+            return out * weights, float(weights), out
+        why = uncounted_mean(func, out, learn.yb[0] if learn.yb else None)
+        if why is not None:
+            raise ValueError(
+                f"loss_func {why}: its mean is not over the batch's rows, so W processes would weigh each "
+                "rank's mean by its rows: use nn.CrossEntropyLoss(weight=...) (counted by its weights), "
+                "unison.TokenCrossEntropy(ignore_index=...) (by its scored targets) or return a SummedLoss"
+            )
         self.count_is_rows = True
         n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
         return out * n, n, out

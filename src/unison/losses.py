@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 IGNORE_INDEX = -100  # PyTorch's and Hugging Face's "not a target"
 
@@ -178,26 +178,88 @@ _ITEMWISE = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "S
              "AddBackward0", "MulBackward0", "MulBackward1", "SelectBackward0"}  # fmt: skip
 
 
-def ignored_targets(per_item: Tensor) -> tuple[int, int]:
-    """`(how many, ignore_index)` of the targets a per-item `nll_loss` / `cross_entropy`
-    (`reduction="none"`) behind `per_item` left out: each such item is a 0, not a loss term. Read
-    from the autograd graph torch recorded (so only in training); `(0, 0)` when none.
-
-    >>> logits = torch.zeros(3, 2, requires_grad=True)
-    >>> ignored_targets(F.cross_entropy(logits, torch.tensor([0, -100, 1]), reduction="none"))
-    (1, -100)
-    """
-    nodes, seen = [per_item.grad_fn], 0
+def _nll_node(loss: Tensor, reduction: int) -> Any:
+    """torch's `nll_loss` node (`cross_entropy` ends in one) of `reduction` (0: none, 1: mean) behind
+    `loss`, through the item-wise ops of `_ITEMWISE`; None without one (or without a graph: torch
+    records none in evaluation)."""
+    nodes: list[Any] = [loss.grad_fn]  # (autograd nodes: their saved fields are typed per node class)
+    seen = 0
     while nodes and seen < 16:
         node, seen = nodes.pop(), seen + 1
         name = type(node).__name__
-        if name == "NllLossBackward0" and node._saved_reduction == 0:  # type: ignore[union-attr]
-            ignore = int(node._saved_ignore_index)  # type: ignore[union-attr]
-            ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # (saved as an unsigned int64)
-            return int((node._saved_target == ignore).sum()), ignore  # type: ignore[union-attr]
+        if name == "NllLossBackward0" and node._saved_reduction == reduction:
+            return node
         if name in _ITEMWISE:
-            nodes += [next_node for next_node, _ in node.next_functions if next_node is not None]  # type: ignore[union-attr]
-    return 0, 0
+            nodes += [next_node for next_node, _ in node.next_functions if next_node is not None]
+    return None
+
+
+def _ignored(node: Any) -> tuple[int, int]:
+    """`(how many targets, ignore_index)` an `nll_loss` node left out."""
+    ignore = int(node._saved_ignore_index)
+    ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # (saved as an unsigned int64)
+    return int((node._saved_target == ignore).sum()), ignore
+
+
+def uncounted_items(per_item: Tensor) -> tuple[str, str] | None:
+    """Why per-item losses (`cross_entropy(..., reduction="none")`) are not one term each, and the
+    count to pass instead: targets left out (`ignore_index`: a 0 each) or class weights (each item
+    weighs its target's weight). Read from the autograd graph (training only).
+
+    >>> logits = torch.zeros(3, 2, requires_grad=True)
+    >>> uncounted_items(F.cross_entropy(logits, torch.tensor([0, -100, 1]), reduction="none"))
+    ('leave out 1 ignored target(s) (ignore_index=-100)', '(labels != -100).sum()')
+    """
+    node = _nll_node(per_item, reduction=0)
+    if node is None:
+        return None
+    ignored, index = _ignored(node)
+    scored = f"labels[labels != {index}]" if ignored else "labels"
+    if node._saved_weight is not None:
+        return "are weighted by their targets' class weights", f"weight[{scored}].sum()"
+    if ignored:
+        return f"leave out {ignored} ignored target(s) (ignore_index={index})", f"(labels != {index}).sum()"
+    return None
+
+
+def nll_module(func: Any) -> nn.CrossEntropyLoss | nn.NLLLoss | None:
+    """torch's cross-entropy or NLL module behind a loss function that averages (`reduction="mean"`):
+    the function itself, or the one fastai's losses wrap (`CrossEntropyLossFlat().func`)."""
+    module = func if isinstance(func, (nn.CrossEntropyLoss, nn.NLLLoss)) else getattr(func, "func", None)
+    if isinstance(module, (nn.CrossEntropyLoss, nn.NLLLoss)) and module.reduction == "mean":
+        return module
+    return None
+
+
+def weighted_count(module: nn.CrossEntropyLoss | nn.NLLLoss, targets: Tensor) -> Tensor:
+    """What a class-weighted `module` divides its sum by: the weights of the targets it scored.
+
+    >>> weighted_count(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0])), torch.tensor([0, 1, -100]))
+    tensor(4.)
+    """
+    assert module.weight is not None
+    targets = targets.reshape(-1)
+    return module.weight[targets[targets != module.ignore_index]].sum()
+
+
+def uncounted_mean(func: Any, out: Tensor, targets: Any) -> str | None:
+    """Why a mean loss is not over its batch's rows (class weights, ignored targets), so that rows
+    cannot weigh it across ranks: read from torch's cross-entropy module, else from the autograd
+    graph torch recorded for it (training only). None when it is a mean over the rows."""
+    module = nll_module(func)
+    if module is not None:  # (a class-weighted module is counted by its weights, not refused)
+        if isinstance(targets, Tensor) and not targets.is_floating_point():
+            ignored = int((targets == module.ignore_index).sum())
+            if ignored:
+                return f"leaves out {ignored} target(s) equal to ignore_index={module.ignore_index}"
+        return None
+    node = _nll_node(out, reduction=1)
+    if node is None:
+        return None
+    if node._saved_weight is not None:
+        return "averages over class weights"
+    ignored, index = _ignored(node)
+    return f"leaves out {ignored} target(s) equal to ignore_index={index}" if ignored else None
 
 
 def model_loss(out: Any) -> Tensor:

@@ -35,7 +35,7 @@ from unison.events import (
     CancelValidException,
 )
 from unison.loop_host import LoopHost
-from unison.losses import ignored_targets
+from unison.losses import uncounted_items
 
 __all__ = [
     "LoaderOrders",
@@ -339,12 +339,12 @@ def loss_terms(
     if not isinstance(value, Tensor):
         raise TypeError(f"Run.loss: give the loss as a tensor, got {type(value).__name__}")
     if value.dim() > 0 and count is None:
-        ignored, index = ignored_targets(value)
-        if ignored:
+        uncounted = uncounted_items(value)
+        if uncounted is not None:
+            why, count_of = uncounted
             raise ValueError(
-                f"Run.loss: these per-item losses leave out {ignored} ignored target(s) (ignore_index="
-                f"{index}), which would count as terms: pass the sum and the scored count, "
-                f"run.loss(loss.sum(), count=(labels != {index}).sum())"
+                f"Run.loss: these per-item losses {why}, so they are not one term each: pass the "
+                f"sum and its count, run.loss(loss.sum(), count={count_of})"
             )
         value, count = value.sum(), value.numel()  # one term per element
     if count is None:

@@ -1,0 +1,88 @@
+"""The Learner's exact loss with torch's own cross-entropy: class weights and ignored targets, whose
+mean is not over the batch's rows. Each run is compared with a plain one-process loop."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import DataLoaders, Learner, TokenCrossEntropy, set_seed
+
+WEIGHT = torch.tensor([1.0, 3.0], dtype=torch.float64)
+
+
+def _data(ignored=False):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    if ignored:  # unlabelled rows, more of them at even positions: ranks score unevenly
+        y[torch.tensor([0, 2, 4, 6, 9, 12, 14, 20])] = -100
+    return x, y
+
+
+def _learner(loss_func, world, ignored=False):
+    set_seed(0)
+    x, y = _data(ignored)
+    bs = 8 // world
+    dls = DataLoaders(
+        DataLoader(TensorDataset(x, y), batch_size=bs), DataLoader(TensorDataset(x, y), batch_size=bs)
+    )
+    return Learner(
+        dls, nn.Linear(4, 2).double(), loss_func, lr=0.5, opt_func=torch.optim.SGD, default_cbs=False
+    )
+
+
+def _plain(loss, ignored=False):
+    """One process, no unison: four steps of 8 rows, the loss torch's mean; then the mean over the set."""
+    set_seed(0)
+    x, y = _data(ignored)
+    model = nn.Linear(4, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for first in range(0, 32, 8):
+        loss(model(x[first : first + 8]), y[first : first + 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return model.weight.detach().clone(), float(loss(model(x), y))
+
+
+def _fit(kind):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss_func = {"weighted": nn.CrossEntropyLoss(weight=WEIGHT), "tokens": TokenCrossEntropy()}[kind]
+    learn = _learner(loss_func, world, ignored=kind == "tokens")
+    ctx = learn.distrib_ctx() if world > 1 else contextlib.nullcontext()
+    with contextlib.redirect_stdout(io.StringIO()), ctx:
+        learn.fit(1)
+        (valid_loss,) = learn.validate()
+    return learn.raw_model.weight.detach().clone(), valid_loss
+
+
+@pytest.mark.parametrize("kind", ["weighted", "tokens"])
+def test_class_weights_and_ignored_targets_train_and_validate_as_one_process_on_two(pool2, kind):
+    """A class-weighted mean divides by the scored rows' weights, not the rows: counted so, the
+    global batch's mean is the one a single process takes (each rank's mean weighted by its rows
+    was not). Ignored targets: `TokenCrossEntropy`, which the refusal below names."""
+    loss = nn.CrossEntropyLoss(weight=WEIGHT) if kind == "weighted" else nn.CrossEntropyLoss()
+    want_w, want_valid = _plain(loss, ignored=kind == "tokens")
+    tol = 1e-12 if kind == "weighted" else 1e-6  # (TokenCrossEntropy computes in float32)
+    for weight, valid_loss in [_fit(kind), *pool2.run(_fit, kind)]:
+        torch.testing.assert_close(weight, want_w, rtol=0, atol=tol)
+        assert valid_loss == pytest.approx(want_valid, abs=1e-6)  # (the recorder sums in float32)
+
+
+def test_a_mean_over_targets_that_rows_cannot_count_is_refused_naming_the_fix():
+    weighted_function = lambda pred, y: F.cross_entropy(pred, y, weight=WEIGHT)  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"^loss_func averages over class weights: .*nn.CrossEntropyLoss\(weight="
+    ):
+        _learner(weighted_function, 1).fit(1)
+    with pytest.raises(
+        ValueError,
+        match=r"^loss_func leaves out 4 target\(s\) equal to ignore_index=-100: .*TokenCrossEntropy",
+    ):
+        _learner(nn.CrossEntropyLoss(), 1, ignored=True).fit(1)

@@ -111,6 +111,7 @@ class ExactLoss:
         self._takes_targets = True
         self._own_rule: str | None = None  # which labels the model's own loss scored (losses.py)
         self._own_rule_for: Any = None  # the loader of the pass that rule was read on
+        self._read_for: Any = None  # the loader of the pass whose targets `uncounted_mean` last read
 
     def start_epoch(self, batch_size: int | None) -> None:
         self.step = StepCount(float(batch_size or 1))
@@ -141,7 +142,11 @@ class ExactLoss:
             self.count_is_rows = False  # a class-weighted mean: over its targets' weights
             weights = weighted_count(module, learn.yb[0])
             return out * weights, float(weights), out
-        why = uncounted_mean(func, out, learn.yb[0] if learn.yb else None)
+        targets = learn.yb[0] if learn.yb else None
+        # Reading the targets waits for the device: on a GPU only each pass's first batch is read.
+        on_device = isinstance(targets, Tensor) and targets.device.type != "cpu"
+        why = None if on_device and self._read_for is learn.dl else uncounted_mean(func, out, targets)
+        self._read_for = learn.dl
         if why is not None:
             raise ValueError(
                 f"loss_func {why}: its mean is not over the batch's rows, so W processes would weigh each "

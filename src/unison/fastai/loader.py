@@ -195,17 +195,18 @@ def check_loaders_agree(dls: Any, collective: Any) -> None:
 
 
 def check_loader_agrees(dl: Any, collective: Any) -> None:
-    """The loader of a `validate(dl=...)` or `get_preds(dl=...)` must be one loader on every rank (its
-    items are dealt across ranks and every prediction gathered on every rank): same item count, batch
-    size and, where they are a table or a list of paths, names or numbers, items; else one line."""
+    """The loader of a `validate(dl=...)`, `get_preds(dl=...)` or `predict(item)` must be one loader on
+    every rank (its items are dealt across ranks and every prediction gathered on every rank): same item
+    count, batch size and, where they are a table or a list of paths, names or numbers, items; else one
+    line."""
     mine = (int(dl.n), int(dl.bs), items_digest(dl))
     everyone = collective.gather_objects(mine)
     others = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if others:
         (n0, bs0, _), (n, bs, _) = everyone[0], everyone[others[0]]
         raise ValueError(
-            f"unison.fastai: validate/get_preds on a loader that differs on rank(s) {others} from rank 0 "
-            f"(rank 0: n={n0}, bs={bs0}; rank {others[0]}: n={n}, bs={bs}, or other items): inside "
+            f"unison.fastai: validate/get_preds/predict on a loader that differs on rank(s) {others} from "
+            f"rank 0 (rank 0: n={n0}, bs={bs0}; rank {others[0]}: n={n}, bs={bs}, or other items): inside "
             "distrib_ctx every rank passes the same loader and gets every prediction; to predict each "
             "rank's own items, call it outside distrib_ctx"
         )

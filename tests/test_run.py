@@ -34,6 +34,14 @@ def _model(bn: bool) -> nn.Module:
 
 
 def _opt(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw-groups":  # nanoGPT's: weight decay on the matrices only, the biases at their own LR
+        matrices = [p for p in model.parameters() if p.dim() > 1]
+        biases = [p for p in model.parameters() if p.dim() <= 1]
+        groups = [
+            {"params": matrices, "weight_decay": 0.1},
+            {"params": biases, "weight_decay": 0.0, "lr": 0.02},
+        ]
+        return torch.optim.AdamW(groups, lr=0.01)
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -576,7 +584,11 @@ def _sharded(tmp, opt_kind):
     return _max_diff(weights, expected), fmt, dcp.is_dir() and (dcp / ".metadata").exists()
 
 
-def test_run_shard_true_trains_fsdp2_to_the_plain_loops_weights_with_dcp_checkpoints(pool2, tmp_path):
-    for diff, fmt, dcp_written in pool2.run(_sharded, str(tmp_path), "adamw"):
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw-groups"])
+def test_run_shard_true_trains_fsdp2_to_the_plain_loops_weights_with_dcp_checkpoints(
+    pool2, tmp_path, opt_kind
+):
+    """With the optimizer's own param groups too (they were rebuilt as one group of the defaults)."""
+    for diff, fmt, dcp_written in pool2.run(_sharded, str(tmp_path), opt_kind):
         assert fmt == "dcp" and dcp_written
         assert diff < TOL

@@ -391,23 +391,31 @@ def test_find_unused_parameters_matches_ddp(pool2):
     assert diff0 < 1e-5 and diff1 < 1e-5
 
 
-def _opt_onto_shards():
-    """An optimizer that already stepped moves onto the shards: 1 + 1 epochs equal one process's."""
+def _opt_onto_shards(groups):
+    """An optimizer that already stepped moves onto the shards: 1 + 1 epochs equal one process's.
+    `groups`: a splitter's two param groups at discriminative LRs (`lr=slice(...)`)."""
     world = dist.get_world_size()
-    single = _learner("mlp", bs=8 * world)
+    learners = [_learner("mlp", bs=8 * world) for _ in range(2)]
+    lr = slice(1e-3, 1e-2) if groups else None
+    for learn in learners:
+        learn.splitter = (lambda m: [m[:2].parameters(), m[2:].parameters()]) if groups else None
+    single, multi = learners
     with contextlib.redirect_stdout(io.StringIO()):
-        single.fit(1)
-        single.fit(1)
-    multi = _learner("mlp", bs=8 * world)
-    with contextlib.redirect_stdout(io.StringIO()):
-        multi.fit(1)  # one process (every rank alike), then sharded with the same optimizer state
+        single.fit(1, lr=lr)
+        single.fit(1, lr=lr)
+        multi.fit(1, lr=lr)  # one process (every rank alike), then sharded with the same optimizer state
     multi.dls.train = DataLoader(multi.dls.train.dataset, batch_size=8, shuffle=True)
-    _fit(multi, n=1, shard=True)
-    return _max_diff(_weights(single), _weights(multi))
+    with contextlib.redirect_stdout(io.StringIO()), multi.distrib_ctx(shard=True):
+        multi.fit(1, lr=lr)
+        lrs = [group["lr"] for group in multi.opt.param_groups]
+    return _max_diff(_weights(single), _weights(multi)), lrs
 
 
-def test_optimizer_state_moves_onto_the_shards(pool2):
-    assert max(pool2.run(_opt_onto_shards)) < 1e-5
+@pytest.mark.parametrize("groups", [False, True], ids=["one-group", "splitter-groups"])
+def test_optimizer_state_moves_onto_the_shards(pool2, groups):
+    """With a splitter's param groups too (they were rebuilt as one group at learn.lr)."""
+    for diff, lrs in pool2.run(_opt_onto_shards, groups):
+        assert diff < 1e-5 and lrs == ([1e-3, 1e-2] if groups else [0.01])
 
 
 def test_return_freed_memory_respects_the_users_setting(monkeypatch):

@@ -51,6 +51,7 @@ from unison.distributed.sync_bn import convert_sync_batchnorm
 from unison.distributed.watchdog import RankStalledError
 from unison.events import Callback
 from unison.loop_state import TrainingParts
+from unison.optim import top_lr
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -181,19 +182,34 @@ def _optimizer_state(
 
 def _rebuilt_optimizer(
     learn: LearnerView,
+    original: nn.Module,
     model: nn.Module,
     old: torch.optim.Optimizer,
     state: dict[str, Any] | None,
     options: StateDictOptions | None,
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the learner's kind over `model`'s parameters, with `old`'s
-    hyper-parameters (a schedule may have changed them) and state."""
-    new = learn.opt_func(model.parameters(), lr=learn.lr)
+    """A new optimizer of the learner's kind over `model`'s (the sharded twin's) parameters, in
+    `old`'s param groups (a splitter's, or the user's: each group's own LR and weight decay), with
+    `old`'s hyper-parameters (a schedule may have changed them) and state. `original` is the model
+    `old` was built over: its parameter names find each one's shard."""
+    names = {id(p): name for name, p in original.named_parameters()}
+    shards = dict(model.named_parameters())
+    strays = [p for group in old.param_groups for p in group["params"] if id(p) not in names]
+    if strays:
+        raise ValueError(
+            f"the optimizer holds {len(strays)} parameter(s) that are not the model's: FSDP2 shards the "
+            "model's own; build the optimizer over model.parameters()"
+        )
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [shards[names[id(p)]] for p in group["params"]],
+        }
+        for group in old.param_groups
+    ]
+    new = learn.opt_func(groups, lr=top_lr(learn.lr))  # (each group has its own LR)
     if state is not None:
         set_optimizer_state_dict(model, new, state, options=options)
-    else:
-        for group, old_group in zip(new.param_groups, old.param_groups, strict=True):
-            group.update({k: v for k, v in old_group.items() if k != "params"})
     return new
 
 
@@ -327,7 +343,9 @@ class ShardedTrainer(MonitoredRanks, Callback):
         # The shards are copies: free the user's full weights while the twin trains.
         for param in original.parameters():
             param.data = param.data.new_empty(0)
-        opt = _rebuilt_optimizer(learn, twin, parts.opt, opt_state, _FULL) if parts.opt is not None else None
+        opt = None
+        if parts.opt is not None:
+            opt = _rebuilt_optimizer(learn, original, twin, parts.opt, opt_state, _FULL)
         self.monitor = RankMonitor(self.timeout)
         return TrainingParts(twin, opt, collective, shared_seed(collective, parts.data_seed))
 

@@ -75,8 +75,13 @@ class SeededItems(Dataset):
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
-        self.held = HeldGenerators(dataset)
+        self.find_held()
         self._batched = callable(getattr(dataset, "__getitems__", None))
+
+    def find_held(self) -> None:
+        """Search the dataset for generators it holds (again after a DataLoader worker's
+        `worker_init_fn`, which may have given it one)."""
+        self.held = HeldGenerators(self.dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -334,11 +334,12 @@ class DistributedDL(RankShare):
             self._dealt_cache = None  # the plan holds this rank's part: drop the global batches
             self._positions = (epoch, 0, [0, *itertools.accumulate(self._global_sizes)])
             return plan
-        self._n_planned = None
-        bs, n_batches = self.batch_size, len(self)
-        self._positions = (epoch, bs, [])
+        # The epoch's length is what the sampler yields, not its `__len__` (which may differ, as a plain
+        # DataLoader also iterates the sampler to its end): the order first, then the batches counted.
         order = self._order_tensor(epoch)
         self._n_planned = len(order)
+        bs, n_batches = self.batch_size, len(self)
+        self._positions = (epoch, bs, [])
         self._dealt_cache = None
         # Only this rank's 1/W of the order is kept; the global order is freed on return.
         return strided_plan(order, self.rank, self.world_size, bs, n_batches, self.pad)

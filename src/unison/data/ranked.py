@@ -18,6 +18,7 @@ False
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -136,7 +137,37 @@ class RankShare:
             num_workers=dl.num_workers,
             pin_memory=dl.pin_memory,
             timeout=dl.timeout,
-            worker_init_fn=dl.worker_init_fn,
+            worker_init_fn=None if dl.worker_init_fn is None else UserWorkerInit(dl.worker_init_fn),
             multiprocessing_context=dl.multiprocessing_context,
             **kwargs,
         )
+
+
+class UserWorkerInit:
+    """`dl`'s `worker_init_fn`, run as a plain DataLoader runs it: `get_worker_info().dataset` is the
+    worker's copy of the user's dataset, not unison's wrapper of it (which a per-worker setup, opening
+    a database on `info.dataset` say, would reach in vain). A generator the function gives the dataset
+    is then searched for (`SeededItems.find_held`), so drawing from it is refused as any held one is."""
+
+    def __init__(self, init_fn: Callable[[int], Any]) -> None:
+        self.init_fn = init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        from torch.utils.data._utils import worker
+
+        info = worker._worker_info
+        if info is None:  # called outside a worker (by hand): nothing to expose
+            self.init_fn(worker_id)
+            return
+        wrapper = info.dataset
+        users = getattr(wrapper, "dataset", wrapper)  # SeededItems and RankStream hold it as `dataset`
+        worker._worker_info = worker.WorkerInfo(
+            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=users
+        )
+        try:
+            self.init_fn(worker_id)
+        finally:
+            worker._worker_info = info
+        find_held = getattr(wrapper, "find_held", None)
+        if find_held is not None:
+            find_held()

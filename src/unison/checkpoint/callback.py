@@ -138,6 +138,19 @@ class Checkpoint(Callback):
             raise CheckpointError("Checkpoint needs a train loader with a batch_size to record its position")
         return bs * learn.collective.world_size
 
+    def _accumulate(self) -> int:
+        """Batches per optimizer step: `Run(accumulate=k)`, or a `GradientAccumulation(k)` callback."""
+        learn = self.learn
+        accumulations = [cb.n_acc for cb in learn.cbs if getattr(cb, "accumulates_gradients", False)]
+        return int(getattr(learn, "accumulate", None) or (accumulations[0] if accumulations else 1))
+
+    def _train_items(self) -> int | None:
+        """Items of the train loader's dataset, whose order an epoch deals; None when it has no length."""
+        try:
+            return len(self.learn.dls.train.dataset)
+        except (AttributeError, TypeError):
+            return None
+
     def save(self, epoch: int, batches_done: int) -> Path:
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
         for check in self.checks:  # (every rank: a refusal leaves none waiting in the gather below)
@@ -159,6 +172,9 @@ class Checkpoint(Callback):
             "samples_done": batches_done * (global_batch or 1),
             "steps_done": batches_done,
             "global_batch": global_batch,
+            "accumulate": self._accumulate(),
+            "train_items": self._train_items(),
+            "optimizer": type(learn.opt).__name__ if learn.opt is not None else None,
             "world_size": collective.world_size,
             "data_seed": learn.data_seed,
             "rng": [rng for rng, _ in ranks],
@@ -207,9 +223,10 @@ class Checkpoint(Callback):
         state = {**found.state, "components": found.state.get("components") or {}}
         step = self._step(state)
         check_components(self.components, state["components"], found.source)
-        # Everything is checked: now change the learner.
-        if learn.opt is None:
+        if learn.opt is None:  # (made now to be compared; the weights are loaded after every check)
             learn.create_opt()
+        self._check_optimizer(state, found.source)
+        # Everything is checked: now change the learner.
         load_weights(found, self._weights(), fmt, collective)
         for key, part in self._parts().items():
             part.load_state_dict(state[key])
@@ -224,27 +241,72 @@ class Checkpoint(Callback):
             scaler_state=state.get("scaler"),
         )
 
+    def _check_optimizer(self, state: dict[str, Any], source: Path) -> None:
+        """Refuse a checkpoint of another kind of optimizer, or of other param groups, in one line: its
+        state would be read under other names (a crash at the first step) or into other groups."""
+        opt, was = self.learn.opt, state.get("optimizer")
+        now = type(opt).__name__ if opt is not None else None
+        if was is not None and now is not None and was != now:
+            raise CheckpointError(
+                f"{source} holds the state of the optimizer {was}, this run trains with {now}: resume with "
+                f"the interrupted run's optimizer, or start a new fit from learn.load(..., with_opt=False)"
+            )
+        saved_groups = [len(group["params"]) for group in (state.get("opt") or {}).get("param_groups", [])]
+        groups = [len(group["params"]) for group in opt.param_groups] if opt is not None else []
+        if saved_groups and groups and saved_groups != groups:
+            raise CheckpointError(
+                f"{source} holds an optimizer with param groups of {saved_groups} tensors, this run's has "
+                f"{groups}: resume with the interrupted run's splitter / param groups"
+            )
+
     def _step(self, state: dict[str, Any]) -> int:
         """The training step of its epoch that checkpoint `state` stopped at, at this run's global
-        batch: refused when it is not a whole number of them, warned when the global batch changed."""
-        global_batch = now = self._global_batch()
+        batch (an optimizer step's items: batch_size x processes x accumulated batches): refused when
+        it is not a whole number of them, or when the dataset's length changed mid-epoch (the epoch's
+        order would deal some items twice and others never); a changed global batch or dataset warned."""
+        batch = self._global_batch()
+        accumulate, was_accumulate = self._accumulate(), state.get("accumulate") or 1
         samples = state["samples_done"]
-        if global_batch is None:  # a batch sampler's loader: global step k is its batch k on any W
-            global_batch, samples = 1, state.get("steps_done", samples)
-        if samples % global_batch:
+        if batch is None:  # a batch sampler's loader: global step k is its batch k on any W
+            batch, samples = 1, state.get("steps_done", samples)
+        self._check_items(state, samples)
+        if samples % (batch * accumulate):
             raise CheckpointError(
                 f"{self.file} stopped {samples} samples into epoch {state['epoch']}, not a whole number "
-                f"of global batches of {global_batch} (batch_size x processes): resume with the global batch "
-                f"of the interrupted run ({state['global_batch']})"
+                f"of global batches of {batch * accumulate} (batch_size x processes"
+                f"{' x accumulate' if accumulate > 1 else ''}): resume with the global batch "
+                f"of the interrupted run ({(state['global_batch'] or 1) * was_accumulate})"
             )
-        was = state.get("global_batch")
-        if was is not None and now is not None and was != now and self.learn.collective.is_main:
+        was, now = state.get("global_batch"), self._global_batch()
+        if was is not None and now is not None and was * was_accumulate != now * accumulate:
+            per_step = f" x accumulate {accumulate}" if accumulate > 1 else ""
             # Allowed (an elastic job that lost a node resumes smaller), but never silently.
-            warnings.warn(
-                f"resuming {self.file} at a global batch of {now} (batch_size x "
-                f"{self.learn.collective.world_size} processes) where the interrupted run had {was}: "
-                "from here the run no longer equals the uninterrupted one",
+            self._warn(
                 GlobalBatchChangedWarning,
-                stacklevel=3,
+                f"resuming {self.file} at a global batch of {now * accumulate} (batch_size x "
+                f"{self.learn.collective.world_size} processes{per_step}) "
+                f"where the interrupted run had {was * was_accumulate}: from here the run no longer equals "
+                "the uninterrupted one",
             )
-        return samples // global_batch
+        return samples // batch
+
+    def _check_items(self, state: dict[str, Any], samples: int) -> None:
+        """Refuse a mid-epoch resume over a dataset of another length; warn at an epoch's end."""
+        was, now = state.get("train_items"), self._train_items()
+        if was is None or now is None or was == now:
+            return
+        if samples:
+            raise CheckpointError(
+                f"{self.file} stopped {samples} samples into epoch {state['epoch']} of a dataset of {was} "
+                f"items, this run's has {now}: the epoch's order would deal some items twice and others "
+                "never; resume with the interrupted run's dataset"
+            )
+        self._warn(
+            UserWarning,
+            f"resuming {self.file} over a dataset of {now} items where the interrupted run had {was}: "
+            "from here the run no longer equals the uninterrupted one",
+        )
+
+    def _warn(self, category: type[Warning], message: str) -> None:
+        if self.learn.collective.is_main:  # (once per job)
+            warnings.warn(message, category, stacklevel=4)

@@ -1,0 +1,178 @@
+"""A resume whose script changed what the checkpoint depends on: the optimizer kind or its param groups,
+the dataset's length, the batches a step accumulates. Each one is exact (the same global batch
+reached another way), warned (the run goes on, no longer the uninterrupted one), or refused in one
+line before anything changes; never silently off the uninterrupted run."""
+
+import contextlib
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.test_run import _data, _model
+from unison import (
+    Callback,
+    Checkpoint,
+    CheckpointError,
+    DataLoaders,
+    GradientAccumulation,
+    Learner,
+    Run,
+    set_seed,
+)
+from unison.checkpoint.callback import GlobalBatchChangedWarning
+
+
+class Stop(Exception):
+    """Stands for a crash."""
+
+
+class StopAt(Callback):
+    order = 95  # after Checkpoint wrote this batch's state
+
+    def __init__(self, at):
+        self.at, self.count = at, 0
+
+    def after_batch(self):
+        if self.learn.training:
+            self.count += 1
+            if self.count == self.at:
+                raise Stop()
+
+
+def _learner(path, bs=8, items=48, init_seed=0, opt_func=torch.optim.SGD, cbs=(), splitter=None, every=1):
+    set_seed(init_seed)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 5, generator=g)
+    y = (x.sum(1) > 0).long()
+    dls = DataLoaders(
+        DataLoader(TensorDataset(x[:items], y[:items]), batch_size=bs, shuffle=True),
+        DataLoader(TensorDataset(x[80:], y[80:]), batch_size=8),
+    )
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    extra = {"splitter": splitter} if splitter is not None else {}
+    learn = Learner(
+        dls, model, nn.CrossEntropyLoss(), lr=1e-2, path=path, opt_func=opt_func,
+        cbs=[Checkpoint(every=every), *cbs], **extra,
+    )  # fmt: skip
+    learn.data_seed = 1234
+    return learn
+
+
+def _fit(learn, cbs=(), resume=False):
+    with contextlib.redirect_stdout(io.StringIO()):
+        learn.fit(2, cbs=list(cbs), resume=resume)
+
+
+def _crash(path, at, **kwargs):
+    with pytest.raises(Stop):
+        _fit(_learner(path, **kwargs), cbs=[StopAt(at)])
+
+
+def _weights(learn):
+    return {k: v.detach().clone() for k, v in learn.raw_model.state_dict().items()}
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_the_same_global_batch_by_accumulation_resumes_exactly_and_another_is_warned(tmp_path):
+    reference = _learner(tmp_path / "ref", cbs=[GradientAccumulation(2)])
+    _fit(reference)
+    _crash(tmp_path / "run", 4, cbs=[GradientAccumulation(2)])  # 2 steps of 2 batches of 8
+    once = _learner(tmp_path / "run", bs=16, init_seed=9)  # each step's 16 items in one batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GlobalBatchChangedWarning)
+        _fit(once, resume=True)
+    assert _max_diff(_weights(reference), _weights(once)) < 1e-6
+    _crash(tmp_path / "more", 4, cbs=[GradientAccumulation(2)])
+    more = _learner(tmp_path / "more", cbs=[GradientAccumulation(4)])  # 32 items a step: not the run
+    with pytest.warns(GlobalBatchChangedWarning, match="global batch of 32 .* accumulate 4.* had 16"):
+        _fit(more, resume=True)
+    _crash(tmp_path / "cut", 2, cbs=[GradientAccumulation(2)])  # 16 items in: half a step of 32
+    with pytest.raises(CheckpointError, match="not a whole number of global batches of 32"):
+        _fit(_learner(tmp_path / "cut", cbs=[GradientAccumulation(4)]), resume=True)
+
+
+def _run(ds, path, accumulate, bs, crash_at=None, resume=False):
+    torch.manual_seed(0)
+    model = _model(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with Run(accumulate=accumulate, path=path) as run:
+        model, opt = run.setup(model, opt)
+        train = run.loader(DataLoader(ds, batch_size=bs, shuffle=True))
+        run.checkpoint(every=accumulate)
+        for epoch in run.epochs(2, resume=resume):
+            model.train()
+            for x, y in train:
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+                if (epoch, run.batch) == crash_at:
+                    raise Stop()
+        return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+def test_run_resumed_with_another_accumulate_is_exact_at_the_same_global_batch_else_warned(tmp_path):
+    ds = _data(48)
+    whole = _run(ds, tmp_path / "whole", accumulate=2, bs=4)
+    with pytest.raises(Stop):
+        _run(ds, tmp_path / "cut", accumulate=2, bs=4, crash_at=(0, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GlobalBatchChangedWarning)
+        resumed = _run(ds, tmp_path / "cut", accumulate=1, bs=8, resume=True)
+    assert _max_diff(whole, resumed) < 1e-6
+    with pytest.raises(Stop):
+        _run(ds, tmp_path / "fewer", accumulate=2, bs=4, crash_at=(0, 5))
+    with pytest.warns(GlobalBatchChangedWarning, match="global batch of 4 .* had 8"):
+        _run(ds, tmp_path / "fewer", accumulate=1, bs=4, resume=True)
+
+
+def test_a_mid_epoch_resume_over_a_dataset_of_another_length_is_refused_and_warned_at_an_epochs_end(tmp_path):
+    _crash(tmp_path, 3)  # 24 of 48 items into epoch 0
+    longer = _learner(tmp_path, items=64, init_seed=9)
+    before = _weights(longer)
+    with pytest.raises(
+        CheckpointError, match="24 samples into epoch 0 of a dataset of 48 items, this run's has 64"
+    ):
+        _fit(longer, resume=True)
+    assert all(torch.equal(before[k], _weights(longer)[k]) for k in before)  # refused before any change
+    _crash(tmp_path / "end", 7, every=None)  # in epoch 1: the checkpoint of epoch 0's end
+    with pytest.warns(UserWarning, match="over a dataset of 64 items where the interrupted run had 48"):
+        _fit(_learner(tmp_path / "end", items=64, every=None), resume=True)
+
+
+def _two_groups(model):
+    return [list(model[0].parameters()), list(model[3].parameters())]
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "refused"),
+    [
+        (
+            {"opt_func": torch.optim.SGD},
+            {"opt_func": torch.optim.Adam},
+            "optimizer SGD, this run trains with Adam",
+        ),
+        (
+            {"opt_func": torch.optim.Adam},
+            {"opt_func": torch.optim.AdamW},
+            "optimizer Adam, this run trains with AdamW",
+        ),
+        ({}, {"splitter": _two_groups}, r"param groups of \[4\] tensors, this run's has \[2, 2\]"),
+    ],
+)
+def test_a_checkpoint_of_another_optimizer_or_param_groups_is_refused_before_any_change(
+    tmp_path, first, then, refused
+):
+    _crash(tmp_path, 3, **first)
+    resumed = _learner(tmp_path, init_seed=9, **then)
+    before = _weights(resumed)
+    with pytest.raises(CheckpointError, match=refused):
+        _fit(resumed, resume=True)
+    assert all(torch.equal(before[k], _weights(resumed)[k]) for k in before)

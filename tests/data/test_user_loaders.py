@@ -1,11 +1,16 @@
 """What users bring from their own DataLoaders (their samplers, collates, workers), sharded over W
 ranks and compared with one process's plain DataLoader at the global batch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
+from unison.data.batch import batch_size_of, cat_structured, take_rows, to_device
 from unison.data.loader import DistributedDL
+from unison.data.stream import StreamDL
 
 
 class _MisCountingSampler(Sampler):
@@ -95,3 +100,52 @@ def test_a_generator_a_worker_init_fn_gives_the_dataset_is_refused():
     )
     with pytest.raises(ValueError, match=r"dataset\.rng, a numpy Generator the dataset holds, drew"):
         list(DistributedDL(dl, 0, 2, seed=0))
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A batch class a user's collate_fn returns (not a Mapping, not a tuple)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    note: str = "kept"
+
+
+def _collate_to_dataclass(items: list[tuple[torch.Tensor, torch.Tensor]]) -> _Batch:
+    return _Batch(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
+
+
+def test_a_dataclass_batch_has_its_padding_rows_trimmed_as_a_tuple_batch_does():
+    data = [(torch.tensor([float(i)]), torch.tensor(float(i))) for i in range(5)]
+    dl = DataLoader(data, batch_size=2, collate_fn=_collate_to_dataclass)
+    rank1 = DistributedDL(dl, 1, 2, seed=0, pad=False)  # global step 1 holds item 4 only: rank 1 pads
+    batches = list(rank1)
+    assert [batch_size_of(b) for b in batches] == [2, 1] and rank1.real_rows(1) == 0
+    trimmed = take_rows(to_device(batches[1], "cpu"), rank1.real_rows(1))
+    assert isinstance(trimmed, _Batch) and trimmed.note == "kept"
+    assert batch_size_of(trimmed) == 0 and trimmed.y.shape == (0,)
+    joined = cat_structured([take_rows(b, rank1.real_rows(k)) for k, b in enumerate(batches)])
+    assert joined.x.flatten().tolist() == [1.0, 3.0] and joined.note is None
+
+
+class _Range(IterableDataset):
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def _split_among_workers(worker_id: int) -> None:
+    """torch's documented `worker_init_fn` for an IterableDataset: each worker keeps a slice."""
+    info = get_worker_info()
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start += info.id * per_worker
+    dataset.end = min(dataset.start + per_worker, dataset.end)
+
+
+def test_a_stream_a_worker_init_fn_splits_among_workers_is_refused_naming_the_workers():
+    dl = DataLoader(_Range(0, 12), batch_size=2, num_workers=2, worker_init_fn=_split_among_workers)
+    with pytest.raises(ValueError, match="the stream _Range differs across DataLoader workers"):
+        list(StreamDL(dl, 0, 1))

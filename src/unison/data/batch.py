@@ -1,4 +1,4 @@
-"""Batch structure: tensors nested in tuples, lists, dicts, namedtuples and `ModelOutput`s.
+"""Batch structure: tensors nested in tuples, lists, dicts, namedtuples, dataclasses and `ModelOutput`s.
 
 Every transform here keeps each container's class (a `transformers` `ModelOutput`
 stays one), so a model's output or a Hugging Face batch survives device moves,
@@ -40,7 +40,19 @@ def _map_leaves(fn: Callable[[tuple, Any], Any], x: Any, path: tuple = ()) -> An
         return type(x)(*(_map_leaves(fn, v, (*path, i)) for i, v in enumerate(x)))
     if isinstance(x, (list, tuple)):
         return type(x)(_map_leaves(fn, v, (*path, i)) for i, v in enumerate(x))
+    if _is_dataclass_instance(x):  # a batch class a collate_fn returns: its fields hold the leaves
+        fields = {f.name: _map_leaves(fn, getattr(x, f.name), (*path, f.name)) for f in _init_fields(x)}
+        return dataclasses.replace(x, **fields)
     return fn(path, x)
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _init_fields(x: Any) -> list[dataclasses.Field]:
+    """The fields of dataclass `x` its constructor takes (the others it derives, in `__post_init__`)."""
+    return [f for f in dataclasses.fields(x) if f.init]
 
 
 def map_tensors(fn: Callable[[Tensor], Any], x: Any) -> Any:
@@ -119,6 +131,9 @@ def _leaves(x: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from _leaves(v, (*prefix, i))
+    elif _is_dataclass_instance(x):
+        for f in _init_fields(x):
+            yield from _leaves(getattr(x, f.name), (*prefix, f.name))
     else:
         yield prefix, x
 
@@ -148,7 +163,7 @@ def cat_structured(batches: Sequence[Any], pad_value: float = -100, combine: Cal
 
 def _at(x: Any, path: tuple) -> Any:
     for k in path:
-        x = x[k]
+        x = getattr(x, k) if _is_dataclass_instance(x) and not isinstance(x, Mapping) else x[k]
     return x
 
 

@@ -133,7 +133,7 @@ def test_run_resumed_with_another_accumulate_is_exact_at_the_same_global_batch_e
         _run(ds, tmp_path / "fewer", accumulate=1, bs=4, resume=True)
 
 
-def test_a_mid_epoch_resume_over_a_dataset_of_another_length_is_refused_and_warned_at_an_epochs_end(tmp_path):
+def test_a_resume_over_a_dataset_of_another_length_is_refused_before_any_change(tmp_path):
     _crash(tmp_path, 3)  # 24 of 48 items into epoch 0
     longer = _learner(tmp_path, items=64, init_seed=9)
     before = _weights(longer)
@@ -143,8 +143,37 @@ def test_a_mid_epoch_resume_over_a_dataset_of_another_length_is_refused_and_warn
         _fit(longer, resume=True)
     assert all(torch.equal(before[k], _weights(longer)[k]) for k in before)  # refused before any change
     _crash(tmp_path / "end", 7, every=None)  # in epoch 1: the checkpoint of epoch 0's end
-    with pytest.warns(UserWarning, match="over a dataset of 64 items where the interrupted run had 48"):
+    with pytest.raises(CheckpointError, match=r"another train dataset \(48 items, this run's has 64\)"):
         _fit(_learner(tmp_path / "end", items=64, every=None), resume=True)
+
+
+def _fold(path, fold):
+    """A k-fold loop's learner: the same model on the fold's 48 items, checkpoints in one folder."""
+    set_seed(fold)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 5, generator=g)
+    y = (x.sum(1) > 0).long()
+    train = slice(48 * fold, 48 * (fold + 1))
+    dls = DataLoaders(
+        DataLoader(TensorDataset(x[train], y[train]), batch_size=8, shuffle=True),
+        DataLoader(TensorDataset(x[:8], y[:8]), batch_size=8),
+    )
+    return Learner(dls, nn.Linear(5, 2), nn.CrossEntropyLoss(), lr=0.1, path=path, cbs=[Checkpoint(every=2)])
+
+
+def test_a_second_run_writing_the_same_checkpoint_file_is_refused_not_taken_as_its_own(tmp_path):
+    """Two folds of a k-fold loop, each `fit(2, resume=True)` with `Checkpoint()` in one folder: the
+    second found the first's finished checkpoint and ended, silently, on the first fold's weights."""
+    first = _fold(tmp_path, 0)
+    _fit(first, resume=True)
+    second = _fold(tmp_path, 1)
+    with pytest.raises(CheckpointError, match=r"another train dataset \(its items differ from this run's\)"):
+        _fit(second, resume=True)
+    alone = _fold(tmp_path / "alone", 1)
+    _fit(alone, resume=True)
+    again = _fold(tmp_path / "alone", 1)
+    _fit(again, resume=True)  # its own checkpoint: resumed (finished), not refused
+    assert torch.equal(again.raw_model.weight, alone.raw_model.weight)
 
 
 def _two_groups(model):

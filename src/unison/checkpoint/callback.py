@@ -25,6 +25,7 @@ from typing import Any
 from unison.checkpoint.components import Group, check_components
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.store import Weights, find, load_weights, save
+from unison.data.fingerprint import dataset_fingerprint
 from unison.env_names import PROBE_ENV
 from unison.events import Callback
 from unison.loop_state import StartPoint
@@ -93,6 +94,7 @@ class Checkpoint(Callback):
         self.components = components if components is not None else {}
         self.checks = checks if checks is not None else []
         self.saves = 0
+        self._data_print: tuple[Any, str | None] | None = None  # (the train dataset, its fingerprint)
         #: True while a save runs: a write in progress is progress (the preemption stall rule reads it).
         self.writing = False
 
@@ -144,12 +146,17 @@ class Checkpoint(Callback):
         accumulations = [cb.n_acc for cb in learn.cbs if getattr(cb, "accumulates_gradients", False)]
         return int(getattr(learn, "accumulate", None) or (accumulations[0] if accumulations else 1))
 
-    def _train_items(self) -> int | None:
-        """Items of the train loader's dataset, whose order an epoch deals; None when it has no length."""
+    def _train_data(self) -> tuple[int | None, str | None]:
+        """The train dataset's length and fingerprint (its length and a few items, read once per
+        dataset object); None where it has none (a stream)."""
+        dataset = getattr(self.learn.dls.train, "dataset", None)
         try:
-            return len(self.learn.dls.train.dataset)
-        except (AttributeError, TypeError):
-            return None
+            items: int | None = len(dataset)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            items = None
+        if self._data_print is None or self._data_print[0] is not dataset:
+            self._data_print = (dataset, dataset_fingerprint(dataset))
+        return items, self._data_print[1]
 
     def save(self, epoch: int, batches_done: int) -> Path:
         """Write the state after `batches_done` training batches of `epoch` (a collective: all ranks call)."""
@@ -173,7 +180,7 @@ class Checkpoint(Callback):
             "steps_done": batches_done,
             "global_batch": global_batch,
             "accumulate": self._accumulate(),
-            "train_items": self._train_items(),
+            **dict(zip(("train_items", "train_data"), self._train_data(), strict=True)),
             "optimizer": type(learn.opt).__name__ if learn.opt is not None else None,
             "world_size": collective.world_size,
             "data_seed": learn.data_seed,
@@ -262,8 +269,7 @@ class Checkpoint(Callback):
     def _step(self, state: dict[str, Any]) -> int:
         """The training step of its epoch that checkpoint `state` stopped at, at this run's global
         batch (an optimizer step's items: batch_size x processes x accumulated batches): refused when
-        it is not a whole number of them, or when the dataset's length changed mid-epoch (the epoch's
-        order would deal some items twice and others never); a changed global batch or dataset warned."""
+        it is not a whole number of them, or when the train data changed; a changed global batch warned."""
         batch = self._global_batch()
         accumulate, was_accumulate = self._accumulate(), state.get("accumulate") or 1
         samples = state["samples_done"]
@@ -282,7 +288,6 @@ class Checkpoint(Callback):
             per_step = f" x accumulate {accumulate}" if accumulate > 1 else ""
             # Allowed (an elastic job that lost a node resumes smaller), but never silently.
             self._warn(
-                GlobalBatchChangedWarning,
                 f"resuming {self.file} at a global batch of {now * accumulate} (batch_size x "
                 f"{self.learn.collective.world_size} processes{per_step}) "
                 f"where the interrupted run had {was * was_accumulate}: from here the run no longer equals "
@@ -291,22 +296,30 @@ class Checkpoint(Callback):
         return samples // batch
 
     def _check_items(self, state: dict[str, Any], samples: int) -> None:
-        """Refuse a mid-epoch resume over a dataset of another length; warn at an epoch's end."""
-        was, now = state.get("train_items"), self._train_items()
-        if was is None or now is None or was == now:
-            return
-        if samples:
+        """Refuse a checkpoint written over other train data (another length, other items): resumed
+        mid-epoch, the epoch's order would deal some items twice and others never; at an epoch's end,
+        it is most often another run's checkpoint in the same file (a k-fold loop), which the
+        resume would silently take as its own."""
+        (was, was_print), (now, now_print) = (
+            (state.get("train_items"), state.get("train_data")),
+            self._train_data(),
+        )
+        if was is not None and now is not None and was != now and samples:
             raise CheckpointError(
                 f"{self.file} stopped {samples} samples into epoch {state['epoch']} of a dataset of {was} "
                 f"items, this run's has {now}: the epoch's order would deal some items twice and others "
                 "never; resume with the interrupted run's dataset"
             )
-        self._warn(
-            UserWarning,
-            f"resuming {self.file} over a dataset of {now} items where the interrupted run had {was}: "
-            "from here the run no longer equals the uninterrupted one",
-        )
+        if was_print is not None and now_print is not None and was_print != now_print:
+            differ = (
+                f"{was} items, this run's has {now}" if was != now else "its items differ from this run's"
+            )
+            raise CheckpointError(
+                f"{self.file} was written over another train dataset ({differ}): another run writes this "
+                "file (give each run its own Checkpoint(fname=...)), or the data changed; resume with the "
+                "interrupted run's data, or move the file away to start afresh"
+            )
 
-    def _warn(self, category: type[Warning], message: str) -> None:
+    def _warn(self, message: str) -> None:
         if self.learn.collective.is_main:  # (once per job)
-            warnings.warn(message, category, stacklevel=4)
+            warnings.warn(message, GlobalBatchChangedWarning, stacklevel=4)

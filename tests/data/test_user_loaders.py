@@ -149,3 +149,26 @@ def test_a_stream_a_worker_init_fn_splits_among_workers_is_refused_naming_the_wo
     dl = DataLoader(_Range(0, 12), batch_size=2, num_workers=2, worker_init_fn=_split_among_workers)
     with pytest.raises(ValueError, match="the stream _Range differs across DataLoader workers"):
         list(StreamDL(dl, 0, 1))
+
+
+class _StreamThroughHandle(IterableDataset):
+    """A stream read through a handle each worker opens, split among workers in `__iter__`."""
+
+    def __init__(self) -> None:
+        self.handle: list[int] | None = None
+
+    def __iter__(self):
+        assert self.handle is not None, "the worker_init_fn did not open the handle"
+        info = get_worker_info()
+        for i, item in enumerate(self.handle):
+            if info is None or i % info.num_workers == info.id:
+                yield item
+
+
+def _open_stream_handle(worker_id: int) -> None:
+    get_worker_info().dataset.handle = list(range(100, 112))
+
+
+def test_a_stream_a_worker_init_fn_opens_is_read_whole_and_in_order():
+    dl = DataLoader(_StreamThroughHandle(), batch_size=2, num_workers=2, worker_init_fn=_open_stream_handle)
+    assert torch.cat(list(StreamDL(dl, 0, 1))).tolist() == list(range(100, 112))

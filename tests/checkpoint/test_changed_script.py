@@ -205,3 +205,31 @@ def test_a_checkpoint_of_another_optimizer_or_param_groups_is_refused_before_any
     with pytest.raises(CheckpointError, match=refused):
         _fit(resumed, resume=True)
     assert all(torch.equal(before[k], _weights(resumed)[k]) for k in before)
+
+
+def test_a_one_cycle_resumed_over_another_length_or_peak_is_warned_the_same_is_exact(tmp_path):
+    """`fit_one_cycle(2)` crashed, then `fit_one_cycle(3, resume=True)`: the first part followed the
+    2-epoch schedule, so the run equals neither uninterrupted one (0.014 off the 3-epoch one)."""
+
+    def crashed(path):
+        learn = _learner(path, cbs=[StopAt(8)])  # epoch 1, batch 2 of 6
+        with contextlib.redirect_stdout(io.StringIO()), pytest.raises(Stop):
+            learn.fit_one_cycle(2, lr_max=1e-2)
+
+    crashed(tmp_path / "a")
+    with pytest.warns(
+        UserWarning, match=r"one-cycle schedule of 2 epoch\(s\) at lr_max 0.01 .* 3 epoch\(s\) at lr_max 0.01"
+    ):
+        with contextlib.redirect_stdout(io.StringIO()):
+            _learner(tmp_path / "a").fit_one_cycle(3, lr_max=1e-2, resume=True)
+    crashed(tmp_path / "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same schedule: no warning, and the uninterrupted weights
+        with contextlib.redirect_stdout(io.StringIO()):
+            resumed = _learner(tmp_path / "b")
+            resumed.fit_one_cycle(2, lr_max=1e-2, resume=True)
+    whole = _learner(tmp_path / "c")
+    with contextlib.redirect_stdout(io.StringIO()):
+        whole.fit_one_cycle(2, lr_max=1e-2)
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(a, b)

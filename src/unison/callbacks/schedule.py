@@ -9,6 +9,7 @@ LRs) or a list with one LR per group.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,8 +50,10 @@ def set_momentum(opt: torch.optim.Optimizer, mom: float) -> None:
 class OneCycleScheduler(Callback):
     """The one-cycle policy, applied before every training batch from the learner's progress.
 
-    The schedule is a function of `learn.pct_train` alone, so it needs no state of its
-    own and a resumed run lands on exactly the same LR.
+    The schedule is a function of `learn.pct_train` alone, so a resumed run lands on exactly
+    the same LR. Its state is the schedule it followed: a run resumed with another length or
+    peak (`fit_one_cycle(2)` crashed, `fit_one_cycle(3, resume=True)`) is warned, since its first
+    part followed the other schedule.
 
         learn.fit(5, cbs=[OneCycleScheduler(lr_max=3e-3)])   # what fit_one_cycle does
     """
@@ -67,6 +70,7 @@ class OneCycleScheduler(Callback):
     ):
         if not 0 < pct_start < 1:
             raise ValueError(f"pct_start must be in (0, 1), got {pct_start}")
+        self._resumed: str | None = None  # the schedule a checkpoint this fit resumes from followed
         self.lr_max, self.div, self.div_final, self.pct_start, self.moms = (
             lr_max,
             div,
@@ -74,6 +78,24 @@ class OneCycleScheduler(Callback):
             pct_start,
             moms,
         )
+
+    def _schedule(self) -> str:
+        return f"{self.learn.n_epoch} epoch(s) at lr_max {self.lr_max}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self._schedule()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = state.get("schedule")  # compared at before_fit, once the fit's length is set
+
+    def before_fit(self) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None and resumed != self._schedule() and self.learn.collective.is_main:
+            warnings.warn(
+                f"resuming a one-cycle schedule of {resumed} as one of {self._schedule()}: the run "
+                "before the checkpoint followed the other one, so from here it equals neither",
+                stacklevel=2,
+            )
 
     def lr_at(self, pct: float, peak: float | None = None) -> float:
         peak = top_lr(self.lr_max) if peak is None else peak

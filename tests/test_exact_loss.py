@@ -20,7 +20,9 @@ def _data(ignored=False):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 4, generator=g, dtype=torch.float64)
     y = (x[:, 0] > 0).long()
-    if ignored:  # unlabelled rows, more of them at even positions: ranks score unevenly
+    if ignored == "share":  # rank 1's share of the first global batch (positions 1, 3, 5, 7) unlabelled
+        y[torch.tensor([1, 3, 5, 7, 12])] = -100
+    elif ignored:  # unlabelled rows, more of them at even positions: ranks score unevenly
         y[torch.tensor([0, 2, 4, 6, 9, 12, 14, 20])] = -100
     return x, y
 
@@ -32,9 +34,7 @@ def _learner(loss_func, world, ignored=False):
     dls = DataLoaders(
         DataLoader(TensorDataset(x, y), batch_size=bs), DataLoader(TensorDataset(x, y), batch_size=bs)
     )
-    return Learner(
-        dls, nn.Linear(4, 2).double(), loss_func, lr=0.5, opt_func=torch.optim.SGD, default_cbs=False
-    )
+    return Learner(dls, nn.Linear(4, 2).double(), loss_func, lr=0.5, opt_func=torch.optim.SGD)
 
 
 def _plain(loss, ignored=False):
@@ -53,8 +53,10 @@ def _plain(loss, ignored=False):
 
 def _fit(kind):
     world = dist.get_world_size() if dist.is_initialized() else 1
-    loss_func = {"weighted": nn.CrossEntropyLoss(weight=WEIGHT), "tokens": TokenCrossEntropy()}[kind]
-    learn = _learner(loss_func, world, ignored=kind == "tokens")
+    tokens = kind == "tokens"
+    learn = _learner(
+        TokenCrossEntropy() if tokens else nn.CrossEntropyLoss(weight=WEIGHT), world, _IGNORED[kind]
+    )
     ctx = learn.distrib_ctx() if world > 1 else contextlib.nullcontext()
     with contextlib.redirect_stdout(io.StringIO()), ctx:
         learn.fit(1)
@@ -62,14 +64,17 @@ def _fit(kind):
     return learn.raw_model.weight.detach().clone(), valid_loss
 
 
-@pytest.mark.parametrize("kind", ["weighted", "tokens"])
+_IGNORED = {"weighted": False, "tokens": True, "weighted-ignored": "share"}
+
+
+@pytest.mark.parametrize("kind", ["weighted", "tokens", "weighted-ignored"])
 def test_class_weights_and_ignored_targets_train_and_validate_as_one_process_on_two(pool2, kind):
     """A class-weighted mean divides by the scored rows' weights, not the rows: counted so, the
     global batch's mean is the one a single process takes (each rank's mean weighted by its rows
     was not). Ignored targets: `TokenCrossEntropy`, which the refusal below names."""
-    loss = nn.CrossEntropyLoss(weight=WEIGHT) if kind == "weighted" else nn.CrossEntropyLoss()
-    want_w, want_valid = _plain(loss, ignored=kind == "tokens")
-    tol = 1e-12 if kind == "weighted" else 1e-6  # (TokenCrossEntropy computes in float32)
+    loss = nn.CrossEntropyLoss() if kind == "tokens" else nn.CrossEntropyLoss(weight=WEIGHT)
+    want_w, want_valid = _plain(loss, ignored=_IGNORED[kind])
+    tol = 1e-6 if kind == "tokens" else 1e-12  # (TokenCrossEntropy computes in float32)
     for weight, valid_loss in [_fit(kind), *pool2.run(_fit, kind)]:
         torch.testing.assert_close(weight, want_w, rtol=0, atol=tol)
         assert valid_loss == pytest.approx(want_valid, abs=1e-6)  # (the recorder sums in float32)

@@ -132,17 +132,19 @@ class ExactLoss:
             self.count_is_rows = False
             count = out.count
             return out.total, float(count.item() if isinstance(count, Tensor) else count), None
+        targets = learn.yb[0] if learn.yb else None
         module = nll_module(func)
         if (
             module is not None
             and module.weight is not None
-            and learn.yb
-            and not learn.yb[0].is_floating_point()
+            and isinstance(targets, Tensor)
+            and not targets.is_floating_point()
         ):
             self.count_is_rows = False  # a class-weighted mean: over its targets' weights
-            weights = weighted_count(module, learn.yb[0])
+            weights = weighted_count(module, targets)
+            if not float(weights):  # every target ignored: the mean is 0/0, the share adds nothing
+                return zero_loss(learn.pred), 0.0, None
             return out * weights, float(weights), out
-        targets = learn.yb[0] if learn.yb else None
         # Reading the targets waits for the device: on a GPU only each pass's first batch is read.
         on_device = isinstance(targets, Tensor) and targets.device.type != "cpu"
         why = None if on_device and self._read_for is learn.dl else uncounted_mean(func, out, targets)

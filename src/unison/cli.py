@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from unison.distributed.lighthouse import start_lighthouse
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV
-from unison.launch.lighthouse import DEFAULT_PORT, TIMINGS, check_served
+from unison.launch.lighthouse import DEFAULT_PORT, TIMINGS, check_served, timing_flag
 from unison.launch.options import LaunchError
 
 _USAGE = """\
@@ -137,8 +137,9 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     parser.add_argument("--min-replicas", type=int, default=2, help="no quorum with fewer (default 2)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port (default 29510)")
     for field, default, text in TIMINGS:
-        flag = "--" + field.replace("_", "-")
-        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+        parser.add_argument(
+            timing_flag(field, "--"), type=int, default=default, help=f"{text} (default {default})"
+        )
     args = parser.parse_args(list(argv))
     try:
         check_served(args.min_replicas, args.port, {f: getattr(args, f) for f, _, _ in TIMINGS}, "--")

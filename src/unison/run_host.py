@@ -301,7 +301,7 @@ def _refuse_a_value_of_one_rank(host: RunHost, args: tuple[Any, ...], kwargs: di
     collective = host.collective
     if collective.world_size == 1:
         return
-    mine = [a.tolist() if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
+    mine = [a.tolist() if isinstance(a, Tensor) else a for a in (*args, *kwargs.values())]
     values = [repr(v) for v in collective.gather_objects(mine)]  # (repr: nan equals nan)
     other = next((rank for rank, v in enumerate(values) if v != values[0]), None)
     if other is not None:

@@ -109,10 +109,11 @@ def add_replica_options(parser: argparse.ArgumentParser) -> None:
     add("--replica-id", metavar="NAME", help="this replica group's name (UNISON_REPLICA_ID); kept on restart")
     for field, default, text in TIMINGS:
         text = f"started lighthouse: {text} ({default})"
-        add(_flag(field, "--lighthouse-"), dest=field, type=int, metavar="MS", help=text)
+        add(timing_flag(field, "--lighthouse-"), dest=field, type=int, metavar="MS", help=text)
 
 
-def _flag(field: str, prefix: str) -> str:
+def timing_flag(field: str, prefix: str) -> str:
+    """The option of a `TIMINGS` field: `timing_flag("quorum_tick_ms", "--")` is "--quorum-tick-ms"."""
     return prefix + field.replace("_", "-")
 
 
@@ -127,7 +128,7 @@ def check_served(
     """
     for field, value in timings.items():
         if value is not None and value < 1:
-            flag = _flag(field, prefix)
+            flag = timing_flag(field, prefix)
             raise LighthouseOptionError(f"{flag} must be at least 1 (milliseconds), got {value}")
     if min_replicas is not None and min_replicas < 1:
         raise LighthouseOptionError(f"--min-replicas must be at least 1, got {min_replicas}")
@@ -148,7 +149,7 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
     timings = {field: getattr(a, field, None) for field, _, _ in TIMINGS}
     started_only = [("--min-replicas", a.min_replicas), ("--lighthouse-port", a.lighthouse_port)]
-    for flag, value in [(_flag(f, "--lighthouse-"), v) for f, v in timings.items()] + started_only:
+    for flag, value in [(timing_flag(f, "--lighthouse-"), v) for f, v in timings.items()] + started_only:
         if value is not None and not a.start_lighthouse:
             raise LighthouseOptionError(f"{flag} needs --start-lighthouse")
     check_served(a.min_replicas, a.lighthouse_port, timings, "--lighthouse-")
@@ -181,7 +182,7 @@ def served_lighthouse(opts: ReplicaOptions) -> Iterator[str | None]:
     cmd = [sys.executable, "-m", "unison.cli", "lighthouse", "--min-replicas", str(opts.min_replicas)]
     cmd += ["--port", str(opts.lighthouse_port)]
     for field, _, _ in TIMINGS:
-        cmd += [_flag(field, "--"), str(getattr(opts, field))]
+        cmd += [timing_flag(field, "--"), str(getattr(opts, field))]
     env = {**os.environ, LIGHTHOUSE_PARENT_ENV: str(os.getpid())}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)

@@ -91,3 +91,19 @@ def test_a_mean_over_targets_that_rows_cannot_count_is_refused_naming_the_fix():
         match=r"^loss_func leaves out 4 target\(s\) equal to ignore_index=-100: .*TokenCrossEntropy",
     ):
         _learner(nn.CrossEntropyLoss(), 1, ignored=True).fit(1)
+
+
+def test_a_function_mean_over_targets_is_refused_in_evaluation_too():
+    """Evaluation records no autograd graph, so the loss is read again with one: a validate() with no
+    fit before it is refused as training is (it reported each rank's mean weighted by its rows)."""
+    weighted_function = lambda pred, y: F.cross_entropy(pred, y, weight=WEIGHT)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^loss_func averages over class weights: "):
+        _learner(weighted_function, 1).validate()
+    ignoring_function = lambda pred, y: F.cross_entropy(pred, y)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^loss_func leaves out 4 target\(s\) equal to ignore_index=-100: "):
+        _learner(ignoring_function, 1, ignored=True).validate()
+    plain = _learner(ignoring_function, 1)  # a mean over the rows: read as before
+    x, y = _data()
+    with torch.no_grad():
+        want = float(F.cross_entropy(plain.model(x), y))
+    assert plain.validate()[0] == pytest.approx(want, abs=1e-6)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
-from unison.data.batch import batch_size_of
+from unison.data.batch import batch_size_of, map_tensors
 from unison.data.ranked import is_rank_sharded
 from unison.losses import (
     SummedLoss,
@@ -127,7 +127,7 @@ class ExactLoss:
             return self._own_terms(learn)
         if func is not self._func:  # the loss may be swapped between fits
             self._func, self._takes_targets = func, takes_targets(func)
-        out = func(learn.pred, *learn.yb) if self._takes_targets else func(learn.pred)
+        out = self._call(func, learn.pred, learn.yb)
         if isinstance(out, SummedLoss):
             self.count_is_rows = False
             count = out.count
@@ -147,7 +147,9 @@ class ExactLoss:
             return out * weights, float(weights), out
         # Reading the targets waits for the device: on a GPU only each pass's first batch is read.
         on_device = isinstance(targets, Tensor) and targets.device.type != "cpu"
-        why = None if on_device and self._read_for is learn.dl else uncounted_mean(func, out, targets)
+        why = None
+        if not (on_device and self._read_for is learn.dl):
+            why = uncounted_mean(func, self._with_graph(func, out, learn.pred, learn.yb), targets)
         self._read_for = learn.dl
         if why is not None:
             raise ValueError(
@@ -158,6 +160,22 @@ class ExactLoss:
         self.count_is_rows = True
         n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
         return out * n, n, out
+
+    def _call(self, func: Callable[..., Any], pred: Any, yb: tuple[Any, ...]) -> Any:
+        return func(pred, *yb) if self._takes_targets else func(pred)
+
+    def _with_graph(self, func: Callable[..., Any], out: Tensor, pred: Any, yb: tuple[Any, ...]) -> Tensor:
+        """`out`, or where torch recorded no graph for it (evaluation) and it may be a cross-entropy
+        (integer targets), the loss computed again on a copy of the output that records one:
+        `uncounted_mean` reads class weights and ignored targets from that graph."""
+        targets = yb[0] if yb else None
+        if out.grad_fn is not None or nll_module(func) is not None:
+            return out
+        if not isinstance(targets, Tensor) or targets.is_floating_point():
+            return out
+        with torch.enable_grad():
+            recording = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), pred)
+            return cast(Tensor, self._call(func, recording, yb))
 
     def _own_terms(self, learn: EngineHost) -> tuple[Tensor, float, Tensor | None]:
         """The model's own mean loss, counted over the HF `labels` it scored. Which labels it

@@ -245,7 +245,8 @@ def weighted_count(module: nn.CrossEntropyLoss | nn.NLLLoss, targets: Tensor) ->
 def uncounted_mean(func: Any, out: Tensor, targets: Any) -> str | None:
     """Why a mean loss is not over its batch's rows (class weights, ignored targets), so that rows
     cannot weigh it across ranks: read from torch's cross-entropy module, else from the autograd
-    graph torch recorded for it (training only). None when it is a mean over the rows."""
+    graph torch recorded for it (in evaluation, `ExactLoss` computes it once more to record one).
+    None when it is a mean over the rows."""
     module = nll_module(func)
     if module is not None:  # (a class-weighted module is counted by its weights, not refused)
         if isinstance(targets, Tensor) and not targets.is_floating_point():

@@ -237,6 +237,19 @@ def test_run_backward_of_a_tensor_not_from_run_loss_is_refused():
         _misuse(body)
 
 
+@pytest.mark.parametrize("change", ["GradScaler", "divided"])
+def test_a_loss_scaled_or_divided_after_run_loss_is_refused_naming_why(change):
+    """An AMP loop's `scaler.scale(loss)`, or Accelerate's `loss / accumulation_steps`, ported as is."""
+    scaler = torch.amp.GradScaler("cpu")
+
+    def body(run, model, x, y):
+        loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))
+        run.backward(scaler.scale(loss) if change == "GradScaler" else loss / 2)
+
+    with pytest.raises(RuntimeError, match=r"unchanged: .*it was changed after run.loss: .*MixedPrecision\("):
+        _misuse(body)
+
+
 def test_a_training_pass_over_a_raw_dataloader_is_refused_naming_run_loader():
     def body(run, model, x, y):
         run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))

@@ -201,6 +201,19 @@ def _ignored(node: Any) -> tuple[int, int]:
     return int((node._saved_target == ignore).sum()), ignore
 
 
+def one_step_from(loss: Any, source: Tensor | None) -> bool:
+    """Whether `loss` was computed from `source` by one operation (scaled, divided).
+
+    >>> x = torch.ones((), requires_grad=True) * 2
+    >>> one_step_from(x / 4, x), one_step_from(x, x)
+    (True, False)
+    """
+    node = getattr(loss, "grad_fn", None)
+    if node is None or source is None:
+        return False
+    return any(step is source.grad_fn for step, _ in node.next_functions)
+
+
 def uncounted_items(per_item: Tensor) -> tuple[str, str] | None:
     """Why per-item losses (`cross_entropy(..., reduction="none")`) are not one term each, and the
     count to pass instead: targets left out (`ignore_index`: a 0 each) or class weights (each item

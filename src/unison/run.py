@@ -57,6 +57,7 @@ from unison.data.loader import shard_problem
 from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
+from unison.losses import one_step_from
 from unison.run_host import (
     LoaderOrders,
     RunHost,
@@ -280,6 +281,7 @@ class Run:
             raise RuntimeError(
                 "Run.backward: give it what run.loss returned for this batch, unchanged: "
                 "run.backward(run.loss(loss_sum, count=n)) (the gradient is made exact from its count)"
+                + (_CHANGED_LOSS if one_step_from(loss, host.loss_grad) else "")
             )
         host("before_backward")
         self._backwarding = True
@@ -437,3 +439,10 @@ class Run:
     def _require_setup(self, what: str) -> None:
         if self.host.model is None:
             raise RuntimeError(f"Run.{what}: call run.setup(model, opt) first")
+
+
+#: Why a loss computed from run.loss's is refused: a ported AMP or Accelerate loop's habits.
+_CHANGED_LOSS = (
+    '; it was changed after run.loss: for fp16, run.add_cb(unison.MixedPrecision("fp16")) scales it with '
+    "its own GradScaler, and run.backward already divides by the global count (accumulation steps included)"
+)

@@ -24,12 +24,11 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.data.drawn import DrawnOrder
-from unison.data.fetch import SeededItems, _TensorBatches, fetched_through
-from unison.data.item_draws import item_seed
+from unison.data.item_draws import SeededItems, draws_reachable, item_seed
 from unison.data.permutation import pick_order
 from unison.data.plan import Order, PositionPlan, RankPlan, as_order, dealt_plan, sampler_order, strided_plan
 from unison.data.ranked import RankShare, is_rank_sharded
@@ -68,6 +67,48 @@ def _place_in_job() -> tuple[int, int]:
         return int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
     except ValueError as exc:
         raise ValueError(f"DistributedDL: RANK / WORLD_SIZE are not integers ({exc})") from None
+
+
+class _TensorBatches(Dataset):
+    """A `TensorDataset` fetched a whole batch at a time: one indexing op per tensor instead
+    of one `__getitem__` per sample followed by a stack. Same batches, less Python per batch."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.tensors = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        # index_select, not t[idx]: advanced indexing runs even a small batch on all CPU threads,
+        # which then spin ~3.5 ms each (100 CPU ms a step on a 16-thread GPU machine).
+        return [t.index_select(0, idx) for t in self.tensors]  # what default_collate makes of the tuples
+
+
+def _as_batch(batch: Any) -> Any:
+    return batch
+
+
+def fetched_through(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
+    """The dataset and collate function the inner loader uses: a batched fetch where it is exact,
+    each item seeded by its position where the dataset's code may draw at random.
+
+    A plain `TensorDataset` with torch's default collate gets `_TensorBatches`; a user's dataset
+    `SeededItems` (torch's fetcher calls its `__getitems__`, which keeps a dataset's own one where it
+    draws nothing); stored values (a list) are used as they are.
+
+    >>> fetched_through(list(range(4)), default_collate)[0]
+    [0, 1, 2, 3]
+    """
+    if type(dataset) is TensorDataset and collate_fn is default_collate and dataset.tensors:
+        return _TensorBatches(dataset), _as_batch
+    if draws_reachable(dataset):
+        return SeededItems(dataset), collate_fn  # each item's draws a function of its position
+    return dataset, collate_fn
 
 
 class _PlanSampler:
@@ -129,15 +170,9 @@ class DistributedDL(RankShare):
                 "DistributedDL needs a map-style dataset (with __getitem__ and __len__), "
                 f"got an IterableDataset ({type(dl.dataset).__name__}): it cannot be indexed to shard it"
             )
-        if dl.batch_size is None and dl.batch_sampler is None:
-            raise ValueError(
-                "DistributedDL does not support a DataLoader with batch_size=None and no batch_sampler "
-                "(no batching): give it a batch_size or a batch_sampler"
-            )
-        if isinstance(dl.sampler, DistributedSampler):
-            raise ValueError(
-                "DistributedDL shards the data itself: give it a loader without a DistributedSampler"
-            )
+        problem = shard_problem(dl)  # a DistributedSampler, or no batching
+        if problem is not None:
+            raise ValueError(f"DistributedDL cannot shard this DataLoader: {problem}")
         super().__init__(dl)
         here, world = _place_in_job()
         self.rank = here if rank is None else rank
@@ -185,7 +220,7 @@ class DistributedDL(RankShare):
 
     @property
     def sampler(self) -> Any:
-        return self._dl.sampler
+        return self.dl.sampler
 
     @property
     def batch_size(self) -> int:
@@ -194,7 +229,7 @@ class DistributedDL(RankShare):
             batches = self._dealt_batches(self.epoch)
             first = batches[0] if self.dealt and batches else max(batches, key=len, default=[])
             return max(1, -(-len(first) // self.world_size))
-        return self._dl.batch_size  # type: ignore[return-value]
+        return self.dl.batch_size  # type: ignore[return-value]
 
     def global_order(self, epoch: int) -> Sequence[Any]:
         """The indices of `dl.sampler` for `epoch`: the same on every rank and for any world size
@@ -225,7 +260,7 @@ class DistributedDL(RankShare):
         """The batch sampler's batches for `epoch` (kept for that epoch: `len()` and `iter()` share them)."""
         if self._dealt_cache is None or self._dealt_cache[0] != epoch:
             # A batch sampler's order is a list of batches (an empty one a tensor), never a PermutedOrder.
-            batches = self._drawn_order(self._dl.batch_sampler, epoch)
+            batches = self._drawn_order(self.dl.batch_sampler, epoch)
             self._dealt_cache = (epoch, [list(b) for b in cast("torch.Tensor | list[Any]", batches)])
         return self._dealt_cache[1]
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import worker as torch_worker
 
 from unison.rng import mix_seed
 
@@ -72,7 +73,7 @@ class RankShare:
     seed: int
 
     def __init__(self, dl: DataLoader) -> None:
-        self._dl = dl
+        self.dl = dl
         self.epoch = 0
         self._start = 0
         # The inner loader draws its workers' base seed from this generator on every iter(): a private
@@ -81,16 +82,12 @@ class RankShare:
         self._workers_gen = dl.generator if dl.generator is not None else torch.Generator()
 
     @property
-    def dl(self) -> DataLoader:
-        return self._dl
-
-    @property
     def dataset(self) -> Any:
-        return self._dl.dataset
+        return self.dl.dataset
 
     @property
     def drop_last(self) -> bool:
-        return self._dl.drop_last
+        return self.dl.drop_last
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the order of `epoch` (a stream's dataset is told it, when it
@@ -122,14 +119,14 @@ class RankShare:
 
     def _workers_generator(self, epoch: int, salt: str) -> torch.Generator:
         """The workers' generator seeded for `epoch` (`dl`'s own generator, when it has one, as it stands)."""
-        if self._dl.generator is None:
+        if self.dl.generator is None:
             self._workers_gen.manual_seed(mix_seed(self.seed, epoch, self.rank, salt))
         return self._workers_gen
 
     def _loader_like_dl(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """A `DataLoader` over `dataset` that loads as `dl` does (its workers, their prefetch, init and
         start method, pinning, timeout); `kwargs` give the rest (batching, collate, generator)."""
-        dl = self._dl
+        dl = self.dl
         if dl.num_workers > 0:
             kwargs["prefetch_factor"] = dl.prefetch_factor
         return DataLoader(
@@ -153,21 +150,19 @@ class UserWorkerInit:
         self.init_fn = init_fn
 
     def __call__(self, worker_id: int) -> None:
-        from torch.utils.data._utils import worker
-
-        info = worker._worker_info
+        info = torch_worker._worker_info
         if info is None:  # called outside a worker (by hand): nothing to expose
             self.init_fn(worker_id)
             return
         wrapper = info.dataset
         users = getattr(wrapper, "dataset", wrapper)  # SeededItems and RankStream hold it as `dataset`
-        worker._worker_info = worker.WorkerInfo(
+        torch_worker._worker_info = torch_worker.WorkerInfo(
             id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=users
         )
         try:
             self.init_fn(worker_id)
         finally:
-            worker._worker_info = info
+            torch_worker._worker_info = info
         find_held = getattr(wrapper, "find_held", None)
         if find_held is not None:
             find_held()

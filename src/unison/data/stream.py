@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as torch_worker
 
 from unison.data.batch import batch_size_of
 from unison.data.fingerprint import item_print
@@ -113,12 +114,6 @@ class _TagCollate:
         return self.collate_fn(data), print_
 
 
-def _worker_module() -> Any:
-    from torch.utils.data._utils import worker
-
-    return worker if hasattr(worker, "_worker_info") else None
-
-
 def _reset_fsspec() -> None:
     """fsspec's event loop and lock made before a fork are not valid in a worker: drop them."""
     try:
@@ -128,25 +123,19 @@ def _reset_fsspec() -> None:
     fsspec.asyn.reset_lock()
 
 
-def _as_whole(dataset: Any) -> Iterator[Any]:
-    """`iter(dataset)` read as in the main process: in a DataLoader worker, `get_worker_info()`
+def _read_whole(dataset: Any, info: Any) -> Iterator[Any]:
+    """`iter(dataset)` read in a DataLoader worker (`info`) as in the main process: `get_worker_info()`
     is None while the dataset makes each item, so a dataset that splits itself among workers
     (torch's recipe) yields the whole stream here, as the generic path needs."""
-    module = _worker_module()
-    info = module._worker_info if module is not None else None
-    return iter(dataset) if info is None else _hiding(dataset, module, info)
-
-
-def _hiding(dataset: Any, module: Any, info: Any) -> Iterator[Any]:
     items = None
     while True:
-        module._worker_info = None
+        torch_worker._worker_info = None
         try:
             if items is None:
                 items = iter(dataset)
             item = next(items, _END)
         finally:
-            module._worker_info = info
+            torch_worker._worker_info = info
         if item is _END:
             return
         yield item
@@ -176,7 +165,7 @@ class RankStream(IterableDataset):
         w, rank, block, skip = self.world_size, self.rank, self.block, self.skip
         if info is not None and _is_hf(self.dataset):
             _reset_fsspec()  # what HF does in a worker (its own worker path is bypassed here)
-        items = _as_whole(self.dataset)
+        items = iter(self.dataset) if info is None else _read_whole(self.dataset, info)
         pending = None
         if self.seed is not None:
             with seeded_draws(self.seed):  # random augmentations make the same first item everywhere
@@ -274,13 +263,13 @@ class StreamDL(RankShare):
 
     @property
     def batch_size(self) -> int | None:
-        return self._dl.batch_size
+        return self.dl.batch_size
 
     def state_dict(self) -> dict[str, Any] | None:
         """The state of a self-sharded dataset that offers `state_dict` (as torchdata's stateful
         datasets do), read in this process (`num_workers=0`); None otherwise (resume skips by steps)."""
         source = self._source
-        if self.generic or self._dl.num_workers > 0 or not hasattr(source, "state_dict"):
+        if self.generic or self.dl.num_workers > 0 or not hasattr(source, "state_dict"):
             return None
         return {"dataset": source.state_dict()}
 
@@ -318,7 +307,7 @@ class StreamDL(RankShare):
         return self._global[batch_index] if batch_index < len(self._global) else 0
 
     def _loader(self, epoch: int, start: int) -> DataLoader:
-        dl = self._dl
+        dl = self.dl
         dataset = self._source
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
-from unison.distributed.network import UnresolvedHost, interface_for, port_in_use, resolve
+from unison.distributed.network import UnresolvedHost, interface_for, port_in_use, reach_host, resolve
 from unison.env_names import BACKEND_ENV, LAUNCHER_PID_ENV, LAUNCHER_THREADS_ENV, LIGHTHOUSE_ENV, TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
 from unison.launch.failures import failure_summary, said_preempted, unreadable_error_files
@@ -362,12 +362,11 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     from unison.launch.torch_compat import BOUNDED_C10D, launch_config, register_bounded_c10d
 
     env: dict[str, str] = {LAUNCHER_PID_ENV: str(os.getpid()), **opts.replica.env()}
-    others = {} if os.environ.get("OMP_NUM_THREADS") else other_launches()  # their workers share the cores
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
-        threads_per_worker(opts.nproc + sum(others.values()))
-    )
-    if not os.environ.get("OMP_NUM_THREADS"):  # ours, not the user's: a spawn inside a worker divides it
-        env[LAUNCHER_THREADS_ENV] = env["OMP_NUM_THREADS"]
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
+    others = {} if env["OMP_NUM_THREADS"] else other_launches()  # their workers share the cores
+    if not env["OMP_NUM_THREADS"]:  # ours, not the user's: a spawn inside a worker divides it
+        threads = threads_per_worker(opts.nproc + sum(others.values()))
+        env["OMP_NUM_THREADS"] = env[LAUNCHER_THREADS_ENV] = str(threads)
     env.update(huge_pages_env())
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = repr(opts.timeout)
@@ -378,8 +377,9 @@ def plan_launch(opts: LaunchOptions, log_dir: str) -> LaunchPlan:
     if opts.gpus is not None:  # ids count within an existing CUDA_VISIBLE_DEVICES, as torch does
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in opts.gpus)
-    # A torchft lighthouse on another machine: the other replica groups are reached the same way.
-    iface = interface_for(opts.replica.reach_host() or opts.master_host)
+    # A torchft lighthouse reached over a network (not loopback): the other replica groups are reached
+    # the same way, so gloo and the addresses a group advertises use the interface that routes to it.
+    iface = interface_for(reach_host(opts.replica.lighthouse) or opts.master_host)
     gloo = os.environ.get("GLOO_SOCKET_IFNAME") or (iface[0] if iface else None)
     if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = gloo

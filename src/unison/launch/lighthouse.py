@@ -34,7 +34,7 @@ from unison.distributed.lighthouse import (
     JOIN_TIMEOUT_MS,
     QUORUM_TICK_MS,
 )
-from unison.distributed.network import port_in_use, reach_host
+from unison.distributed.network import port_in_use
 from unison.env_names import LIGHTHOUSE_ENV, LIGHTHOUSE_PARENT_ENV, REPLICA_ENV
 from unison.launch.options import LaunchError
 
@@ -75,11 +75,6 @@ class ReplicaOptions:
     @property
     def active(self) -> bool:
         return bool(self.lighthouse or self.start_lighthouse or self.replica_id)
-
-    def reach_host(self) -> str | None:
-        """The lighthouse's host when it is reached over a network (not loopback): gloo and the
-        addresses a group advertises must then use the interface that routes to it."""
-        return reach_host(self.lighthouse)
 
     def env(self, served_at: str | None = None) -> dict[str, str]:
         """What the workers get: the lighthouse's address and the group's name."""

@@ -143,7 +143,9 @@ def parse_nproc(spec: str | None) -> int | None:
             ) from None
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from unison.distributed.env import usable_cores
+
+    cores = usable_cores()
     if word == "cpu":
         return cores
     if word == "auto":  # torchrun: the accelerators if any, else the cores
@@ -235,16 +237,13 @@ def torchrun_choices(a: argparse.Namespace) -> TorchrunChoices:
                 "--standalone is one machine with its own rendezvous: drop --nnodes/--rdzv-endpoint/"
                 "--master-port, or drop --standalone for a multi-machine job"
             )
-        a.rdzv_backend = None
-    backend = a.rdzv_backend
+    backend = None if a.standalone else a.rdzv_backend
     if backend == "static" and a.rdzv_endpoint:  # torchrun's static rendezvous at H:P
         host, _, port = a.rdzv_endpoint.rpartition(":")
         if not port.isdigit():
             raise LaunchError(f"--rdzv-endpoint {a.rdzv_endpoint}: expected HOST:PORT")
         a.master_addr, a.master_port, a.rdzv_endpoint = host.strip("[]"), int(port), None
-    elif backend == "static":
-        pass  # --master-addr/--master-port, as unison always read them
-    elif backend is not None and not a.rdzv_endpoint:
+    elif backend not in (None, "static") and not a.rdzv_endpoint:  # (static: --master-addr/--master-port)
         if not single:
             raise LaunchError(f"--rdzv-backend {backend} across machines needs --rdzv-endpoint HOST:PORT")
         backend = None  # one machine: unison's own rendezvous (a free port) is the same thing

@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from unison.distributed.deadline import within
 from unison.distributed.network import UnresolvedHost, interface_addresses, port_in_use, resolve
 
 
@@ -142,24 +143,19 @@ def _probe_store(addr: str, port: int, key: str, wait: float) -> bool | None:
     have just made it)."""
     import torch.distributed as dist
 
-    answered: list[bool] = []
+    def probe() -> bool:
+        store = dist.TCPStore(
+            addr, port, is_master=False, timeout=timedelta(seconds=wait), wait_for_workers=False
+        )
+        deadline = time.monotonic() + wait
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return store.check([key])
 
-    def probe() -> None:
-        try:
-            store = dist.TCPStore(
-                addr, port, is_master=False, timeout=timedelta(seconds=wait), wait_for_workers=False
-            )
-            deadline = time.monotonic() + wait
-            while not store.check([key]) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            answered.append(store.check([key]))
-        except Exception:
-            return
-
-    thread = threading.Thread(target=probe, name="unison-probe-store", daemon=True)
-    thread.start()
-    thread.join(2 * wait + 1.0)  # a client call has no bound of its own against a silent server
-    return answered[0] if answered else None
+    try:  # a client call has no bound of its own against a silent server
+        return within(2 * wait + 1.0, probe, f"the store at {addr}:{port}")
+    except Exception:
+        return None
 
 
 def is_local_address(addr: str) -> bool:

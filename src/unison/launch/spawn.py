@@ -25,15 +25,16 @@ from unittest import mock
 
 import torch
 
+from unison.distributed import deadline
 from unison.distributed.devices import cuda_check_without_init, to_cpu
 from unison.distributed.env import huge_pages_env, threads_for_spawned
 from unison.distributed.heartbeat_store import heartbeat_store
 from unison.env_names import TIMEOUT_ENV
 from unison.launch.bar_relay import BarRelay
 from unison.launch.failures import failure_message
+from unison.launch.options import START_METHODS
 from unison.launch.rendezvous import WatchWorkers
 
-START_METHODS = ("spawn", "fork", "forkserver")
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
 _TAIL_LINES = 12
 
@@ -270,7 +271,7 @@ def _worker(
         for name in _AGENT_SIGNALS:
             sig = getattr(signal, name)
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        result = _in_fresh_thread(call)
+        result = deadline.within(threading.TIMEOUT_MAX, call, "fn")  # a fresh thread, waited for as it runs
     else:
         result = call()
     if os.environ.get("RANK") != "0":
@@ -292,23 +293,6 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> An
     return fn(*args, **kwargs)
 
 
-def _in_fresh_thread(call: Callable[[], Any]) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="unison-spawn-worker", daemon=True)  # daemon: never waited
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box.pop("error")
-    return box.get("value")
-
-
 def _spawn_error(failures: Mapping[int, Any]) -> SpawnError:
     """The root cause among the failed ranks: one that left a traceback, earliest first."""
     details = {rank: _describe(failure) for rank, failure in failures.items()}
@@ -317,12 +301,12 @@ def _spawn_error(failures: Mapping[int, Any]) -> SpawnError:
 
 
 def _user_frames(traceback: str) -> str:
-    """`traceback` without the launcher's frames (torch's error recorder, this module, threading)."""
+    """`traceback` without the launcher's frames (torch's error recorder, this module, its thread's)."""
     lines, skip = [], False
     for line in traceback.splitlines():
         if line.startswith('  File "'):
             path = line[8 : line.find('"', 8)]
-            skip = path in (__file__, threading.__file__) or "torch/distributed/elastic/" in path
+            skip = path in (__file__, deadline.__file__) or "torch/distributed/elastic/" in path
         elif not line.startswith("    "):
             skip = False
         if not skip:

@@ -215,11 +215,8 @@ def loaded_differently(env: Mapping[str, str], loaded: Mapping[str, str]) -> str
     'THP_MEM_ALLOC_ENABLE'
     """
     for name in sorted(set(env) | set(loaded)):
-        if name in _APPLIED_BY_WORKER:
-            continue
-        if (name in _LOAD_TIME_NAMES or name.startswith(_LOAD_TIME_PREFIXES)) and env.get(name) != loaded.get(
-            name
-        ):
+        read_at_load = name in _LOAD_TIME_NAMES or name.startswith(_LOAD_TIME_PREFIXES)
+        if read_at_load and name not in _APPLIED_BY_WORKER and env.get(name) != loaded.get(name):
             return name
     return None
 
@@ -253,7 +250,6 @@ def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> N
     try:
         os.setsid()  # as torch's agent starts a cold worker: its own session
         die_with_parent(zygote)
-        signal.set_wakeup_fd(-1)
         # Each signal handled as in a cold worker, which its stub is: ignored where the stub's ignored
         # (SIGPIPE by every interpreter: a write to a dead peer's socket raises EPIPE instead of
         # killing; what the launcher's parent ignored and torch's agent does not catch), else the
@@ -327,14 +323,7 @@ def serve(path: str) -> NoReturn:
                     continue
                 env = request.get("env")
                 cold = loaded_differently(env, loaded) if isinstance(env, dict) else "env"
-                if cold is not None:  # the stub runs the worker itself
-                    for fd in fds:
-                        os.close(fd)
-                    with contextlib.suppress(OSError):
-                        conn.sendall(f"cold {cold}\n".encode())
-                    conn.close()
-                    continue
-                pid = os.fork()
+                pid = os.fork() if cold is None else None  # cold: the stub runs the worker itself
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     selector.close()
@@ -346,7 +335,10 @@ def serve(path: str) -> NoReturn:
                 for fd in fds:
                     os.close(fd)
                 with contextlib.suppress(OSError):
-                    conn.sendall(f"pid {pid}\n".encode())
+                    conn.sendall(f"cold {cold}\n".encode() if pid is None else f"pid {pid}\n".encode())
+                if pid is None:
+                    conn.close()
+                    continue
                 conn.setblocking(False)
                 stubs[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)

@@ -15,7 +15,7 @@ batch b resumes on 1 process at batch 2b at the same point of the same data orde
 from __future__ import annotations
 
 import os
-import secrets
+import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -46,9 +46,7 @@ def unwritable_folder(folder: Path) -> str | None:
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".unison-write-test.{os.getpid()}.{secrets.token_hex(4)}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        probe.unlink()
+        tempfile.TemporaryFile(dir=folder).close()  # made and removed at once
     except OSError as exc:
         return (
             f"Checkpoint: cannot write checkpoints to {folder}: [Errno {exc.errno}] {exc.strerror} "

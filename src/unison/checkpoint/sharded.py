@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -70,11 +69,6 @@ def sharded_path(file: str | os.PathLike[str]) -> Path:
     return Path(file).with_suffix(".dcp")
 
 
-def _no_dist(collective: Collective) -> bool:
-    """One process (even inside a larger group) reads and writes alone."""
-    return collective.world_size == 1 or not (dist.is_available() and dist.is_initialized())
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """DCP warns that it assumes one process when there is no group: here that is what we asked for."""
@@ -83,11 +77,10 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What DCP saves or loads in place: the model's (and optimizer's) state, shards where sharded."""
-    if opt is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, opt_state = get_state_dict(model, opt)  # allocates a fresh optimizer's state
+def _state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What DCP saves or loads in place: the model's and optimizers' state (none: empty), shards
+    where sharded. A fresh optimizer's state is allocated."""
+    model_state, opt_state = get_state_dict(model, optimizers)
     return {"model": model_state, "optim": opt_state}
 
 
@@ -124,10 +117,10 @@ def save_sharded(
     final.parent.mkdir(parents=True, exist_ok=True)
     token = collective.broadcast_object(secrets.token_hex(6))
     tmp = final.parent / f".{final.name}.tmp-{token}"
-    state = _state(model, opt)
+    state = _state(model, [opt] if opt is not None else [])
     writer = _RecordingWriter(tmp)
     with _quiet():  # returns once every rank's shards are written
-        dcp.save(state, storage_writer=writer, no_dist=_no_dist(collective))
+        dcp.save(state, storage_writer=writer, no_dist=not collective.active)
     # Each rank hashes what it wrote (its files are still in its page cache), rank 0 the rest (.metadata).
     try:
         mine: dict[str, str] | str = {name: file_checksum(tmp / name) for name in writer.written}
@@ -149,11 +142,9 @@ def save_sharded(
             "checksums": {f.name: checksums[f.name] for f in files},
             "state": meta,
         }
+        # Then every file and name in the folder is on disk: DCP's writer syncs each file it writes
+        # (the shards, `.metadata`), atomic_save its own file and then the folder.
         atomic_save(record, tmp / META_FILE)
-        for f in tmp.iterdir():
-            with open(f, "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_dir(tmp)
         old = final.parent / f".{final.name}.old-{token}"
         if final.exists():
             os.replace(final, old)
@@ -259,14 +250,11 @@ def load_sharded(
     saved_opt = any(
         k.startswith("optim.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     )
-    state = _state(model, opt if saved_opt else None)
+    optimizers = [opt] if opt is not None and saved_opt else []
+    state = _state(model, optimizers)
     with _quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist(collective))
-    if "optim" in state:
-        assert opt is not None  # _state saves "optim" only for an optimizer
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(model, state["model"])
+        dcp.load(state, checkpoint_id=path, no_dist=not collective.active)
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def load_full_into_sharded(

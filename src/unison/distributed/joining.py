@@ -189,10 +189,6 @@ class RankMonitor:
         # gone (Ray Train destroys it when a worker dies), and that must not hide who stopped.
         return found if found is not None and found.rank != self.watchdog.rank else None
 
-    def peers_gone(self) -> list[int] | None:
-        """The other ranks that left or went silent (`Watchdog.peers_gone`)."""
-        return self.watchdog.peers_gone()
-
     def stop(self) -> None:
         self.watchdog.stop()
         if self._barrier_group is not None:
@@ -233,8 +229,8 @@ class MonitoredRanks:
         return self.monitor.diagnose() if self.monitor is not None else None
 
     def peers_gone(self) -> list[int] | None:
-        """The other ranks that left or went silent (`RankMonitor.peers_gone`)."""
-        return self.monitor.peers_gone() if self.monitor is not None else None
+        """The other ranks that left or went silent (`Watchdog.peers_gone`)."""
+        return self.monitor.watchdog.peers_gone() if self.monitor is not None else None
 
     def leave(self) -> None:
         """Leave the process group where `setup` made it (`unison.distributed.group.leave_group`)."""

@@ -125,28 +125,6 @@ def select_blocks(model: nn.Module, blocks: BlockPolicy = None) -> list[nn.Modul
     return _outermost(model, lambda m: isinstance(m, classes))
 
 
-def _float32_batchnorms(model: nn.Module, policy: MixedPrecisionPolicy | None) -> list[nn.Module]:
-    """The BatchNorm layers that must keep float32 parameters under `policy`'s lower precision.
-
-    A BatchNorm under a bf16 parameter policy fails (its running statistics stay float32: "mixed
-    dtype ... expect parameter to have scalar type of Float") or, where a kernel accepts it, rounds
-    its statistics; FSDP1 kept BatchNorm in float32 for this reason, FSDP2 leaves it to the user.
-    """
-    if policy is None or policy.param_dtype in (None, torch.float32):
-        return []
-    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
-
-
-def _batchnorm_policy(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
-    """float32 inside the BatchNorm (its input cast up), its output cast back to the compute dtype."""
-    return MixedPrecisionPolicy(
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-        output_dtype=policy.param_dtype,
-        cast_forward_inputs=True,
-    )
-
-
 def _registrations(module: nn.Module) -> Counter[int]:
     """How many times each parameter is registered in `module` (more than once when tied)."""
     return Counter(id(p) for m in module.modules(remove_duplicate=False) for p in m.parameters(recurse=False))
@@ -170,23 +148,12 @@ def _outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> list[nn
     return found
 
 
-def _optimizer_state(
-    model: nn.Module, opt: torch.optim.Optimizer | None, options: StateDictOptions | None = None
-) -> dict[str, Any] | None:
-    """`opt`'s state keyed by parameter names, or None when it holds none yet (torch would
-    otherwise make some up by stepping it once with zero gradients)."""
-    if opt is None or not opt.state:
-        return None
-    return get_optimizer_state_dict(model, opt, options=options)
-
-
 def _rebuilt_optimizer(
     learn: LearnerView,
     original: nn.Module,
     model: nn.Module,
     old: torch.optim.Optimizer,
     state: dict[str, Any] | None,
-    options: StateDictOptions | None,
 ) -> torch.optim.Optimizer:
     """A new optimizer of the learner's kind over `model`'s (the sharded twin's) parameters, in
     `old`'s param groups (a splitter's, or the user's: each group's own LR and weight decay), with
@@ -209,7 +176,7 @@ def _rebuilt_optimizer(
     ]
     new = learn.opt_func(groups, lr=top_lr(learn.lr))  # (each group has its own LR)
     if state is not None:
-        set_optimizer_state_dict(model, new, state, options=options)
+        set_optimizer_state_dict(model, new, state, options=_FULL)
     return new
 
 
@@ -320,8 +287,9 @@ class ShardedTrainer(MonitoredRanks, Callback):
             original.to(device)
         elif self.release_memory:
             return_freed_memory()
-        # Keep the optimizer's state (a fit before this context) to move it onto the shards.
-        opt_state = _optimizer_state(original, parts.opt)
+        # Keep the optimizer's state (a fit before this context) to move it onto the shards; not where it
+        # holds none yet (torch would make some up by stepping it once with zero gradients).
+        opt_state = get_optimizer_state_dict(original, parts.opt) if parts.opt and parts.opt.state else None
         # The twin shares the user's Parameter and buffer objects: no second copy of the weights.
         shared = {id(t): t for t in (*original.parameters(), *original.buffers())}
         twin = copy.deepcopy(original, memo=shared)
@@ -330,8 +298,18 @@ class ShardedTrainer(MonitoredRanks, Callback):
         # The mesh names the device: torch's default is the machine's accelerator even when
         # this job trains on CPU over gloo.
         kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), **self._policies()}
-        for norm in _float32_batchnorms(twin, kwargs.get("mp_policy")):  # leaves first: bottom-up
-            fully_shard(norm, **{**kwargs, "mp_policy": _batchnorm_policy(kwargs["mp_policy"])})
+        mp = kwargs.get("mp_policy")
+        if mp is not None and mp.param_dtype not in (None, torch.float32):
+            # A BatchNorm under a lower-precision parameter policy fails (its running statistics stay
+            # float32: "mixed dtype ... expect parameter to have scalar type of Float") or, where a
+            # kernel accepts it, rounds its statistics; FSDP1 kept BatchNorm in float32 for this
+            # reason, FSDP2 leaves it to the user. So each one keeps float32 parameters and reduction,
+            # its input cast up and its output cast back to the compute dtype.
+            float32 = MixedPrecisionPolicy(
+                torch.float32, torch.float32, mp.param_dtype, cast_forward_inputs=True
+            )
+            for norm in (m for m in twin.modules() if isinstance(m, _BatchNorm)):  # leaves first: bottom-up
+                fully_shard(norm, **{**kwargs, "mp_policy": float32})
         for block in reversed(select_blocks(twin, self.blocks)):  # bottom-up, as fully_shard requires
             fully_shard(block, **kwargs)
         fully_shard(twin, **kwargs)
@@ -345,7 +323,7 @@ class ShardedTrainer(MonitoredRanks, Callback):
             param.data = param.data.new_empty(0)
         opt = None
         if parts.opt is not None:
-            opt = _rebuilt_optimizer(learn, original, twin, parts.opt, opt_state, _FULL)
+            opt = _rebuilt_optimizer(learn, original, twin, parts.opt, opt_state)
         self.monitor = RankMonitor(self.timeout)
         return TrainingParts(twin, opt, collective, shared_seed(collective, parts.data_seed))
 

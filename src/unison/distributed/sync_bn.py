@@ -182,21 +182,19 @@ class SyncBatchNorm(BatchNormNd):
             raise ValueError(
                 f"expected {self.num_features} channels, got input of shape {tuple(input.shape)}"
             )
+        # Same rules as torch's BatchNorm: batch stats in training or when there are no buffers.
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        sync = self._sync_group() if use_batch_stats else None
+        if sync is None:  # nothing to synchronise: torch's BatchNorm, as it is
+            return super().forward(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
-        # Same rules as torch's BatchNorm: batch stats in training or when there are no buffers.
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
         running_mean = self.running_mean if keep else None
         running_var = self.running_var if keep else None
-        sync = self._sync_group() if use_batch_stats else None
-        if sync is None:
-            return F.batch_norm(
-                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
-            )
         return _SyncBatchNormFn.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, *sync
         )

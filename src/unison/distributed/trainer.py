@@ -54,7 +54,18 @@ class AutocastReplica(nn.Module):
             return self.module(*args, **kwargs)
 
 
-class DataParallel(nn.DataParallel):
+class ResetsModule:
+    """`reset()` for torch's wrappers: stateful models (RNNs) reset between sequences through it."""
+
+    module: Any  # (the wrapped model: its own `reset` is looked up)
+
+    def reset(self) -> None:
+        """Call the wrapped model's `reset()`, where it has one."""
+        if hasattr(self.module, "reset"):
+            self.module.reset()
+
+
+class DataParallel(ResetsModule, nn.DataParallel):
     """torch's `DataParallel`, plus `reset()` for stateful models (RNNs), and replicas that keep
     the caller's autocast dtype (`MixedPrecision("bf16")`)."""
 
@@ -65,19 +76,9 @@ class DataParallel(nn.DataParallel):
             replicas = [AutocastReplica(replica, device_type, dtype) for replica in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
 
-    def reset(self) -> None:
-        """Call the wrapped model's `reset()`, where it has one."""
-        if hasattr(self.module, "reset"):
-            self.module.reset()
 
-
-class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(ResetsModule, nn.parallel.DistributedDataParallel):
     """torch's `DistributedDataParallel`, plus `reset()` for stateful models (RNNs)."""
-
-    def reset(self) -> None:
-        """Call the wrapped model's `reset()`, where it has one."""
-        if hasattr(self.module, "reset"):
-            self.module.reset()
 
 
 class DistributedTrainer(MonitoredRanks, Callback):

@@ -388,6 +388,43 @@ def test_two_processes_equal_the_plain_one_process_loop(pool2, bn, opt_kind, acc
     assert train_losses[0] == train_losses[1]  # the same exact epoch losses on every rank
 
 
+def _bypassing(how):
+    """A loop that calls the model it gave run.setup ("given"), or unfreezes a layer after
+    run.setup ("unfrozen"): the wrapper it returned averages the gradients of neither."""
+    given = _model(False)
+    given[0].requires_grad_(how == "given")
+    with Run() as run:
+        model, opt = run.setup(given, torch.optim.SGD(given.parameters(), lr=0.1))
+        train = run.loader(DataLoader(_data(32), batch_size=4))
+        try:
+            for epoch in run.epochs(2):
+                given[0].requires_grad_(epoch == 1 or how == "given")
+                call = given if how == "given" else model
+                call.train()
+                for x, y in train:
+                    run.backward(run.loss(F.cross_entropy(call(x), y, reduction="sum"), count=len(y)))
+                    opt.step()
+                    opt.zero_grad()
+        except (RuntimeError, ValueError) as exc:
+            return str(exc)
+
+
+@pytest.mark.parametrize(
+    "how, refusal",
+    [
+        ("given", "Run.backward: this batch's loss was not computed by the model run.setup returned: "),
+        ("unfrozen", "the parameters that require a gradient changed since ddp wrapped the model (a layer "
+         "frozen or unfrozen after run.setup): set requires_grad before it"),
+    ],
+)  # fmt: skip
+def test_a_model_the_wrapper_run_setup_returned_does_not_average_is_refused(pool2, how, refusal):
+    """Only the returned wrapper's forward pass makes DDP average the gradients, and only of the
+    parameters that required one when run.setup wrapped them: each rank trained on its own gradient
+    (ranks 0.03 apart)."""
+    for message in pool2.run(_bypassing, how):
+        assert message.startswith(refusal), message
+
+
 def _evaluate(n, bs):
     """Accelerate's no_trainer evaluation shape: the metric over gathered predictions."""
     ds = _data(n)

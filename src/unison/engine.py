@@ -191,16 +191,21 @@ def follow_trainable(host: EngineHost) -> None:
     """A model frozen or unfrozen since its strategy wrapped it (fine-tuning) is wrapped again: DDP
     synchronises the gradients of the parameters that required one when it wrapped them, and no
     others, so a layer unfrozen later would train on each rank's own gradient. A strategy that
-    cannot wrap again (FSDP2) refuses the change in one line."""
+    cannot wrap again (FSDP2), or a `Run`, whose loop calls the wrapper `run.setup` returned, refuses
+    the change in one line."""
     strategy = host.strategy
     built = getattr(strategy, "trainable", None)
     if built is None or trainable_set(host.raw_model) == built:
         return
     rewrap = getattr(strategy, "rewrap", None)
-    if rewrap is None:
+    api = host.parallel_api
+    if rewrap is None or api == "Run":  # (a Run's loop holds the model run.setup returned)
+        where, fix = (f"inside {api}", "before entering it")
+        if api == "Run":
+            where, fix = "after run.setup", "before it"
         raise ValueError(
             f"the parameters that require a gradient changed since {strategy.kind} wrapped the model "
-            "(a layer frozen or unfrozen inside distrib_ctx): set requires_grad before entering it"
+            f"(a layer frozen or unfrozen {where}): set requires_grad {fix}"
         )
     use_parts(host, rewrap(training_parts(host)))
 

@@ -57,7 +57,6 @@ from unison.data.loader import shard_problem
 from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
-from unison.losses import one_step_from
 from unison.run_host import (
     LoaderOrders,
     RunHost,
@@ -67,6 +66,7 @@ from unison.run_host import (
     check_schedulers,
     loss_terms,
     refuse_learner_callback,
+    require_backward_of,
     require_training_batch,
     track_steps,
 )
@@ -276,13 +276,7 @@ class Run:
         """Backpropagate what `run.loss` returned; at the last batch of an optimizer step the
         gradient becomes that of the global batch (every rank and accumulated batch)."""
         host = self.host
-        require_training_batch(host, "Run.backward")
-        if loss is not host.loss_grad or loss is None:
-            raise RuntimeError(
-                "Run.backward: give it what run.loss returned for this batch, unchanged: "
-                "run.backward(run.loss(loss_sum, count=n)) (the gradient is made exact from its count)"
-                + (_CHANGED_LOSS if one_step_from(loss, host.loss_grad) else "")
-            )
+        require_backward_of(host, loss)
         host("before_backward")
         self._backwarding = True
         try:
@@ -439,10 +433,3 @@ class Run:
     def _require_setup(self, what: str) -> None:
         if self.host.model is None:
             raise RuntimeError(f"Run.{what}: call run.setup(model, opt) first")
-
-
-#: Why a loss computed from run.loss's is refused: a ported AMP or Accelerate loop's habits.
-_CHANGED_LOSS = (
-    '; it was changed after run.loss: for fp16, run.add_cb(unison.MixedPrecision("fp16")) scales it with '
-    "its own GradScaler, and run.backward already divides by the global count (accumulation steps included)"
-)

@@ -35,7 +35,7 @@ from unison.events import (
     CancelValidException,
 )
 from unison.loop_host import LoopHost
-from unison.losses import uncounted_items
+from unison.losses import one_step_from, uncounted_items
 
 __all__ = [
     "LoaderOrders",
@@ -45,6 +45,7 @@ __all__ = [
     "RunScheduler",
     "check_schedulers",
     "refuse_learner_callback",
+    "require_backward_of",
     "require_training_batch",
     "track_steps",
 ]
@@ -68,6 +69,21 @@ class RunHost(LoopHost):
         self.call_model: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda model, xb: model(*xb)
         self.recorder: Any = Recorder(print_table=False)  # (the fastai bridge hands its RecorderView)
         self.in_batch = False  # a batch was yielded and its after_batch has not run yet
+        self.model_called = False  # the model to train ran a forward pass with grad in this batch
+        self._called_hook: tuple[nn.Module, Any] | None = None
+
+    def watch_model_calls(self) -> None:
+        """Note each forward pass with grad of the model to train (a model wrapped again has a new
+        one): only DDP's own forward pass makes its backward average the gradients."""
+        if self._called_hook is not None and self._called_hook[0] is self.model:
+            return
+        if self._called_hook is not None:
+            self._called_hook[1].remove()
+        handle = self.model.register_forward_pre_hook(lambda *_: self._note_call())
+        self._called_hook = (self.model, handle)
+
+    def _note_call(self) -> None:
+        self.model_called = self.model_called or torch.is_grad_enabled()
 
 
 #: What a pass sets that a training batch in flight needs back after an evaluation inside it
@@ -101,6 +117,8 @@ class RunLoader:
         # An evaluation inside a training batch (nanoGPT's estimate_loss): the batch's state comes back.
         outer = {name: getattr(host, name) for name in _PASS_STATE} if host.in_batch else None
         start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume
+        if training:
+            host.watch_model_calls()  # (after begin_pass: a layer unfrozen wraps the model again)
         dl = host.dl
         phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
         device = host.device
@@ -119,11 +137,12 @@ class RunLoader:
                 except CancelBatchException:
                     self._end_batch(cancelled=True)
                     continue
-                host.in_batch = True
+                host.in_batch, host.model_called = True, False
                 yield host.xb[0]  # (as a callback left it: float64 under check-exact)
                 while training and host.redo_step:  # its torchft commit failed: the same items again
                     host.redo_step = False
                     host("before_redo")
+                    host.model_called = False
                     yield host.xb[0]  # this rank's new share of them (no after_batch for the failed one)
                 self._end_batch(cancelled=False)
         except cancel:
@@ -358,6 +377,32 @@ def loss_terms(
     mean = value if reduction == "mean" else None
     total = value if reduction == "sum" else value.nan_to_num(0.0) * count  # (an empty share: 0)
     return total, count, mean
+
+
+#: Why a loss computed from run.loss's is refused: a ported AMP or Accelerate loop's habits.
+_CHANGED_LOSS = (
+    '; it was changed after run.loss: for fp16, run.add_cb(unison.MixedPrecision("fp16")) scales it with '
+    "its own GradScaler, and run.backward already divides by the global count (accumulation steps included)"
+)
+
+
+def require_backward_of(host: RunHost, loss: Any) -> None:
+    """Refuse (one line) a `run.backward` of anything but this training batch's `run.loss`, computed by
+    the model to train (`run.model`): a model called around it would leave DDP's averaging out."""
+    require_training_batch(host, "Run.backward")
+    if loss is not host.loss_grad or loss is None:
+        raise RuntimeError(
+            "Run.backward: give it what run.loss returned for this batch, unchanged: "
+            "run.backward(run.loss(loss_sum, count=n)) (the gradient is made exact from its count)"
+            + (_CHANGED_LOSS if one_step_from(loss, host.loss_grad) else "")
+        )
+    if not host.model_called and host.strategy is not None and host.raw_model is not host.model:
+        raise RuntimeError(
+            "Run.backward: this batch's loss was not computed by the model run.setup returned: "
+            f"{type(host.model).__name__} averages the gradients over the ranks only through its own "
+            "forward pass: call the model run.setup returned (model, opt = run.setup(model, opt)), not the "
+            "one given to it"
+        )
 
 
 def require_training_batch(host: RunHost, what: str) -> None:

@@ -477,6 +477,15 @@ def _generated(pad_value):
         return gathered
 
 
+def test_gather_of_a_0_dim_tensor_is_refused_naming_per_item_values():
+    """Accelerate's `gather(loss)` of a batch's mean, ported: one value per rank is not items."""
+    model = _model(False)
+    with Run() as run:
+        run.setup(model)
+        with pytest.raises(ValueError, match=r"^run.gather: a 0-dim tensor has no rows .*reduction=\"none\""):
+            run.gather({"loss": torch.tensor(0.5), "preds": torch.zeros(3)})
+
+
 def test_gather_refuses_rows_of_different_sizes_unless_told_what_fills_them(pool2):
     """Padding the shorter rows with 0 would be a token; the one-process batch is padded with the
     value the user pads with."""

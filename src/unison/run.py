@@ -333,7 +333,17 @@ class Run:
 
             preds = run.gather(model(x).argmax(1))
         """
-        return map_tensors(lambda t: self.host.collective.gather_ordered(t, pad_value, "run.gather"), value)
+
+        def gathered(t: Tensor) -> Tensor:
+            if t.dim() == 0:  # (on one process too: the script must not fail only on W)
+                raise ValueError(
+                    "run.gather: a 0-dim tensor has no rows to put in data order (one value per rank "
+                    'weighs ranks, not items): gather per-item values (a loss with reduction="none"); '
+                    "the exact epoch losses are in run.recorder.values"
+                )
+            return self.host.collective.gather_ordered(t, pad_value, "run.gather")
+
+        return map_tensors(gathered, value)
 
     def add_cb(self, cb: Callback) -> Run:
         """Attach a unison callback, run at the events this loop reaches (`GradientClip`, ...); one

@@ -192,13 +192,14 @@ class NonFiniteCheck(Callback):
         scaler = learn.scaler if learn.scaler is not None and learn.scaler.is_enabled() else None
         if not self._nonfinite(losses, scaler):
             return  # the hot path ends here
-        found: tuple[tuple[int, ...], float | None] | None = self._who(losses, learn.iter)
-        what = "loss"
-        if found is None:
+        # The ranks whose losses here are non-finite, and the first one's value (a collective).
+        ranks: tuple[int, ...] | None
+        ranks, values, _ = _gather_flags(learn.collective, _first_nonfinite(losses), learn.iter)
+        what, value = "loss", values[0] if ranks else None
+        if not ranks:
             if scaler is not None:
                 return  # the scaled gradients overflowed: the scaler skips this step, as always
-            what, found = "gradient", self._retraced_culprits()
-        ranks, value = found if found is not None else (None, None)
+            what, ranks = "gradient", self._retraced_culprits()
         detail = self._anomaly_detail(ranks) if self.mode == "anomaly" else ""
         error = NonFiniteError(what, learn.epoch, learn.iter, ranks, value, detail)
         if scaler is not None:
@@ -229,23 +230,17 @@ class NonFiniteCheck(Callback):
             return bool(self.learn.collective.sum(bad.reshape(1).double()).item() > 0)
         return bool(bad.item())
 
-    def _who(self, losses: list[Tensor], step: int) -> tuple[tuple[int, ...], float] | None:
-        """The ranks whose losses here are non-finite, and the first one's value (a collective)."""
-        first = _first_nonfinite(losses)
-        ranks, values, _ = _gather_flags(self.learn.collective, first, step)
-        return (ranks, values[0]) if ranks else None
-
-    def _retraced_culprits(self) -> tuple[tuple[int, ...], None] | None:
+    def _retraced_culprits(self) -> tuple[int, ...] | None:
         """Every loss was finite: the ranks whose batch alone gives a non-finite gradient (each rank
-        runs its batch again without the all-reduce). One process: rank 0."""
+        runs its batch again without the all-reduce), None where none is found. One process: rank 0."""
         collective = self.learn.collective
         if collective.world_size == 1:
-            return (0,), None
+            return (0,)
         if self._sharded:
             return None  # a sharded model's backward reduces as it goes: no rank can retrace alone
         bad, _ = self._retrace(anomaly=False)
         ranks, _, _ = _gather_flags(collective, (0, 0.0) if bad else None, self.learn.iter)
-        return (ranks, None) if ranks else None
+        return ranks or None
 
     def _anomaly_detail(self, ranks: tuple[int, ...] | None) -> str:
         """What torch's anomaly mode says of each culprit rank's batch, run again (a collective)."""

@@ -155,11 +155,6 @@ class Preemption(Callback):
         self.progress_at = self.slowest = 0.0  # when the last batch ended; the longest between two
         self.decided = False  # the ranks agreed to stop: no stall escalation from here on
 
-    def notice(self, sig: signal.Signals) -> None:
-        """What the signal handler does: note it (the first one), nothing else."""
-        if self.received is None:
-            self.received = sig
-
     def before_fit(self) -> None:
         from unison.checkpoint.callback import Checkpoint
 
@@ -304,9 +299,9 @@ def handling(learn: Any) -> Iterator[None]:
             signal.signal(sig, previous.get(sig) or signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if cb.received is None:
+        if cb.received is None:  # the first signal: noted (the one the message names), its stall watched
+            cb.received = sig
             threading.Thread(target=_watch_stall, args=(cb, sig, escalate, done), daemon=True).start()
-        cb.notice(sig)
         chained = previous.get(sig)
         if callable(chained) and chained is not signal.default_int_handler:
             chained(signum, frame)  # the script's own handler, after the flag is set

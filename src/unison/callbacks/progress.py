@@ -22,6 +22,17 @@ from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
 from unison.events import Callback
 
 
+def relayed() -> bool:
+    """True when the launcher draws rank 0's bars on its terminal (this rank's output is a file)."""
+    return bool(os.environ.get(PROGRESS_SOCKET_ENV))
+
+
+def launcher_columns(default: int) -> int:
+    """The launcher terminal's width, as the launcher passed it; `default` where it passed none."""
+    columns = os.environ.get(PROGRESS_COLUMNS_ENV, "")
+    return int(columns) if columns.isdigit() and int(columns) > 20 else default
+
+
 class ProgressCallback(Callback):
     """An epoch bar and a batch bar showing the running loss.
 
@@ -41,26 +52,19 @@ class ProgressCallback(Callback):
         self._bar: tqdm | None = None
         self._sinks: list[_RelayedBar] = []  # the bars the launcher draws (relayed mode), top first
 
-    @staticmethod
-    def _relayed() -> bool:
-        """True when the launcher draws rank 0's bars on its terminal (this rank's stderr is a file)."""
-        return bool(os.environ.get(PROGRESS_SOCKET_ENV))
-
     def _enabled(self) -> bool:
         if not self.learn.collective.is_main:
             return False
         if self.show is None:
-            return sys.stderr.isatty() or self._relayed()
+            return sys.stderr.isatty() or relayed()
         return self.show
 
     def _new_bar(self, **kwargs: object) -> tqdm:
-        if not self._relayed():
+        if not relayed():
             return tqdm(dynamic_ncols=True, **kwargs)
         sink = _RelayedBar(self._send)
         self._sinks.append(sink)
-        columns = os.environ.get(PROGRESS_COLUMNS_ENV, "")
-        ncols = int(columns) - 1 if columns.isdigit() and int(columns) > 20 else 79
-        bar = tqdm(file=sink, ncols=ncols, **kwargs)
+        bar = tqdm(file=sink, ncols=launcher_columns(80) - 1, **kwargs)  # (the relay cuts at columns - 1)
         sink.bar = bar
         return bar
 

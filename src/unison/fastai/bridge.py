@@ -64,13 +64,10 @@ from unison.run_host import RunHost
 
 __all__ = ["UnisonBridge"]
 
-#: unison's cancel exceptions (raised by engine callbacks) as fastai's loop knows them.
+#: unison's cancel exceptions (raised by engine callbacks) as fastai's loop knows them: fastai's of
+#: the same name (CancelFitException, ..., CancelBatchException).
 _CANCELS = {
-    unison_events.CancelFitException: fastai_core.CancelFitException,
-    unison_events.CancelEpochException: fastai_core.CancelEpochException,
-    unison_events.CancelTrainException: fastai_core.CancelTrainException,
-    unison_events.CancelValidException: fastai_core.CancelValidException,
-    unison_events.CancelBatchException: fastai_core.CancelBatchException,
+    cls: getattr(fastai_core, name) for name, cls in vars(unison_events).items() if name.startswith("Cancel")
 }
 
 

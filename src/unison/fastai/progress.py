@@ -21,7 +21,6 @@ stdout as fastai prints it. A plain run on a terminal keeps fastai's own bar, wh
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from fastai.imports import noop  # fastai's own, the one `no_logging` sets (not 
 from fastprogress.fastprogress import ProgressBar
 
 from unison.bar_sender import send_bars
-from unison.env_names import PROGRESS_COLUMNS_ENV, PROGRESS_SOCKET_ENV
+from unison.callbacks.progress import launcher_columns, relayed
 
 __all__ = ["LaunchProgressCallback", "use_launch_progress"]
 
@@ -51,7 +50,7 @@ def use_launch_progress(learn: Any) -> Callable[[], None]:
         restore = use_launch_progress(learn)
     """
     stock = [cb for cb in learn.cbs if type(cb) is ProgressCallback]
-    if not stock or not (_relayed() or not _is_terminal(sys.stdout)):
+    if not stock or not (relayed() or not _is_terminal(sys.stdout)):
         return lambda: None
     for cb in stock:
         _swap(learn, cb)
@@ -65,7 +64,7 @@ def use_launch_progress(learn: Any) -> Callable[[], None]:
             for cb in stock:
                 cb.run = True  # the keeper may have benched it, had it come back through no_bar
             learn.add_cbs(stock)
-        if _relayed():
+        if relayed():
             send_bars([])  # a fit that raised left its bars on the launcher's screen
 
     return restore
@@ -140,7 +139,7 @@ class LaunchProgressCallback(ProgressCallback):
         return "".join(cell.ljust(len(name) + 2) for cell, name in zip(cells, self._names, strict=False))
 
     def _show(self) -> None:
-        if _relayed():
+        if relayed():
             send_bars([bar.line for bar in (self.mbar, self.pbar) if bar is not None and bar.line])
 
 
@@ -153,7 +152,7 @@ class _Bar(ProgressBar):
         self.show, self.label, self.line = show, label, ""
 
     def on_update(self, val: int, text: str) -> None:
-        columns = _columns()
+        columns = launcher_columns(_DEFAULT_COLUMNS)
         room = columns - 1 - len(self.label) - len(text) - 4  # the relay cuts a line at columns - 1
         length = max(min(columns - 60, room), 10)
         filled = int(length * val // self.total) if self.total else 0
@@ -184,17 +183,6 @@ def _swap(learn: Any, stock: ProgressCallback) -> LaunchProgressCallback:
     replacement = LaunchProgressCallback()
     learn.add_cb(replacement)
     return replacement
-
-
-def _relayed() -> bool:
-    """True when the launcher draws rank 0's bars on its terminal."""
-    return bool(os.environ.get(PROGRESS_SOCKET_ENV))
-
-
-def _columns() -> int:
-    """The launcher terminal's width, as the launcher passed it."""
-    columns = os.environ.get(PROGRESS_COLUMNS_ENV, "")
-    return int(columns) if columns.isdigit() and int(columns) > 20 else _DEFAULT_COLUMNS
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -230,12 +230,6 @@ def _tail(path: str | None, n: int) -> list[str]:
         return []
 
 
-def _how(failure: ProcessFailure) -> tuple[str, int]:
-    """("exit code 3", 3) or ("signal SIGKILL", 137)."""
-    code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
-    return exit_phrase(failure.exitcode), code
-
-
 @dataclass(frozen=True)
 class OomCount:
     """How many processes the kernel's OOM killer has ended, read where it can be told apart.
@@ -256,19 +250,19 @@ class OomCount:
 
 def _memory_cgroup_files(pid: int | str, root: Path) -> tuple[list[Path], str] | None:
     """The OOM-count files of `pid`'s memory cgroup, and the one to name; None without one of its own."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    try:  # "ID:CONTROLLERS:PATH" lines -> (controllers, path)
+        cgroups = [line.split(":", 2)[1:] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()]
     except OSError:
         return None
-    for line in lines:  # cgroup v2 ("0::/path"), alone or beside v1 hierarchies (then under unified/)
-        _, controllers, path = line.split(":", 2)
+    # cgroup v2 ("0::/path"), alone or beside v1 hierarchies (then under unified/)
+    for controllers, path in cgroups:
         if controllers == "" and path != "/":
             for mount in (root, root / "unified"):
                 events = mount / path.lstrip("/") / "memory.events"
                 if events.is_file():  # hierarchical: it counts the cgroups below too
                     return [events], str(events)
-    for line in lines:  # cgroup v1: counts are per cgroup (not summed up the tree): read the subtree
-        _, controllers, path = line.split(":", 2)
+    # cgroup v1: counts are per cgroup (not summed up the tree): read the subtree
+    for controllers, path in cgroups:
         if "memory" in controllers.split(",") and path != "/":
             top = root / "memory" / path.lstrip("/")
             if (top / "memory.oom_control").is_file():
@@ -381,7 +375,7 @@ def failure_summary(
     own, or 128 + signal number for a worker killed by a signal (the shell's convention).
     """
     rank, failure = root_cause(err)
-    how, code = _how(failure)
+    how = exit_phrase(failure.exitcode)
     headline, stack = failure_message(failure)
     body = stack.rstrip("\n").splitlines()[-lines:] if stack else []
     if not body and logs is not None:
@@ -402,9 +396,10 @@ def failure_summary(
         out.append(f"  rank {', '.join(map(str, ended))} had ended before, with exit status 0")
     elif is_peer_loss(failure) and not ended:
         out.append("  (its error says a peer went away: the first failure may be on another rank or node)")
-    others = [f"{r} ({_how(f)[0]})" for r, f in sorted(err.failures.items()) if r != rank]
+    others = [f"{r} ({exit_phrase(f.exitcode)})" for r, f in sorted(err.failures.items()) if r != rank]
     if others:
         out.append(f"  other ranks on this node that stopped or failed after it: {', '.join(others)}")
     if log_dir:
         out.append(f"  logs: {log_dir}")
+    code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1  # 137: SIGKILL
     return "\n".join(out), code

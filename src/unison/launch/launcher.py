@@ -475,19 +475,19 @@ def launch(opts: LaunchOptions) -> int:
             if zygote is not None:
                 zygote.stop()
             return 2
-    log_dir = opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-")
+    log_dir = os.path.abspath(opts.log_dir or tempfile.mkdtemp(prefix="unison-launch-"))
     # Output kept off the console (--redirects) is never dropped: its files outlive the launch.
     keep_logs = bool(opts.log_dir) or opts.torchrun.redirects != "0"
     plan: LaunchPlan | None = None
     try:
-        plan = plan_launch(opts, os.path.abspath(log_dir))
+        plan = plan_launch(opts, log_dir)
         for note in opts.torchrun.notes:
             print(f"unison launch: note: {note}", file=sys.stderr, flush=True)
         print(plan.describe(opts), file=sys.stderr, flush=True)
         for note in plan.notes:
             print(note, file=sys.stderr, flush=True)
         if keep_logs and not opts.log_dir:
-            print(f"unison launch: redirected output goes to {os.path.abspath(log_dir)}", file=sys.stderr)
+            print(f"unison launch: redirected output goes to {log_dir}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):
             if isinstance(sys.stdout, io.TextIOWrapper):
                 sys.stdout.reconfigure(line_buffering=True)
@@ -513,7 +513,7 @@ def launch(opts: LaunchOptions) -> int:
     except ChildFailedError as err:
         if said_preempted(log_dir, None):  # the signal reached the workers, not this launcher
             return PREEMPTED_EXIT
-        kept = os.path.abspath(log_dir) if keep_logs else None
+        kept = log_dir if keep_logs else None
         summary, code = failure_summary(err, plan.logs if plan is not None else None, kept)
         print(summary, file=sys.stderr, flush=True)
         return code
@@ -549,10 +549,10 @@ def launch(opts: LaunchOptions) -> int:
         hint = ""
         if any(word in name for word in ("Store", "Rendezvous", "Network")):
             where = opts.rdzv_endpoint or f"{opts.master_addr}:{opts.master_port}"
-            hint = f" (rendezvous at {where}: is every node started, with its own --node-rank?)"
-            if opts.rdzv_endpoint:
-                ran = bool(plan and plan.logs.attempts)  # lost while the workers ran
-                hint = f" (rendezvous at {where}: {rdzv_failure_hint(opts.rdzv_endpoint, ran)})"
+            why = "is every node started, with its own --node-rank?"
+            if opts.rdzv_endpoint:  # `ran`: lost while the workers ran
+                why = rdzv_failure_hint(opts.rdzv_endpoint, ran=bool(plan and plan.logs.attempts))
+            hint = f" (rendezvous at {where}: {why})"
         print(f"unison launch: {name}: {text}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -41,11 +41,8 @@ def stopped_with_pending_term(pid: int) -> bool:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     if not fields.get("State", "").strip().startswith("T"):
         return False
-    term = 1 << (int(signal.SIGTERM) - 1)
-    pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(
-        fields.get("SigPnd", "0").strip() or "0", 16
-    )
-    return bool(pending & term)
+    term = 1 << (int(signal.SIGTERM) - 1)  # in the masks of pending signals, shared by the threads or not
+    return any(int(fields.get(mask, "0").strip() or "0", 16) & term for mask in ("ShdPnd", "SigPnd"))
 
 
 def _session_of(pid: int) -> int | None:

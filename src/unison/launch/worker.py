@@ -63,9 +63,8 @@ ENTRY_FLAGS: dict[str, tuple[str, ...]] = {"script": (), "module": ("-m",), "pro
 
 def die_with_launcher() -> None:
     """Ask the kernel to SIGKILL this process when its parent (torch's agent) dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        expected = os.environ.get(LAUNCHER_PID_ENV, "")
-        die_with_parent(int(expected) if expected.isdigit() else None)
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    die_with_parent(int(expected) if expected.isdigit() else None)
 
 
 def die_with_parent(parent: int | None) -> None:
@@ -75,7 +74,7 @@ def die_with_parent(parent: int | None) -> None:
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not Linux: no prctl
         return
     if parent is not None and os.getppid() != parent:
         os._exit(1)
@@ -262,9 +261,8 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
         run_in_zygote(zygote, given)  # returns only when no zygote answers: this process runs it, cold
         os.environ.pop(ZYGOTE_ENV, None)
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(line_buffering=True)
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     handler = get_error_handler()  # what torch's @record uses

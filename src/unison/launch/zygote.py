@@ -152,15 +152,12 @@ class Zygote:
 
     def stop(self) -> None:
         """End the zygote; a worker still alive dies with it (its parent-death signal)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)  # not reaped until below: the pid is still the zygote's
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+            if self.proc is not None:
+                self.proc.wait(timeout=10)  # (a new interpreter: Popen reaps it)
+            else:
                 os.waitpid(self.pid, 0)
         with contextlib.suppress(OSError):
             os.remove(self.path)

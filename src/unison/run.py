@@ -57,19 +57,14 @@ from unison.data.loader import shard_problem
 from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
-from unison.run_host import (
-    LoaderOrders,
-    RunHost,
-    RunLoader,
-    RunOptimizer,
-    RunScheduler,
+from unison.run_checks import (
     check_schedulers,
     loss_terms,
     refuse_learner_callback,
     require_backward_of,
     require_training_batch,
-    track_steps,
 )
+from unison.run_host import LoaderOrders, RunHost, RunLoader, RunOptimizer, RunScheduler, track_steps
 
 __all__ = ["Run"]
 

@@ -191,10 +191,7 @@ class AccumMetric(Metric):
         super().__init__(name or getattr(func, "__name__", type(func).__name__))
 
     def update(self, pred: Tensor, *targets: Tensor) -> None:
-        pred = pred.detach()
-        if self.activation is not None:
-            pred = self.activation(pred)
-        self.preds.append(pred)
+        self.preds.append(_activated(pred, self.activation))
         self.targets.append(targets[0].detach())
 
     def compute(self) -> float:
@@ -223,9 +220,7 @@ class TorchMetric(Metric):
         self.metric.reset()
 
     def update(self, pred: Any, *targets: Any) -> None:
-        pred = pred.detach()
-        if self.activation is not None:
-            pred = self.activation(pred)
+        pred = _activated(pred, self.activation)
         if self.metric.device != pred.device:
             self.metric.to(pred.device)
         self.metric.update(pred, *(t.detach() for t in targets))
@@ -250,6 +245,12 @@ class TorchMetric(Metric):
         finally:
             if getattr(self.metric, "_is_synced", False):  # compute() may have restored it already
                 self.metric.unsync()
+
+
+def _activated(pred: Tensor, activation: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """`pred` detached, then through `activation` (`AccumMetric`'s and `TorchMetric`'s option) when given."""
+    pred = pred.detach()
+    return pred if activation is None else activation(pred)
 
 
 def _shaped_like_others(collective: Collective, t: Tensor) -> Tensor:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
-from unison.data.batch import cat_structured, map_tensors
+from unison.data.batch import cat_structured, map_tensors, split_batch, to_device
 from unison.events import Callback
 
 if TYPE_CHECKING:
@@ -92,20 +93,11 @@ def per_item_loss(loss_func: Any, pred: Any, *targets: Any) -> Tensor:
         loss_func.reduction = saved
 
 
-def first_row(out: Any) -> Any:
-    """The single sample of a batch of one, in the output's own structure."""
-    return map_tensors(lambda t: t[0] if t.dim() else t, out)
-
-
 def predict_item(
     model: Any, collate: Callable[[list[Any]], Any], item: Any, batched: bool, n_inp: int, call_model: Any
 ) -> Any:
     """`Learner.predict`: the model's output for one item (collated by `collate`) or a small batch,
     on this process, in eval mode, without gradients; the model's mode is put back after."""
-    import torch
-
-    from unison.data.batch import split_batch, to_device
-
     batch = item if batched else collate([item])
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     xb, _ = split_batch(to_device(batch, device), n_inp)
@@ -116,4 +108,5 @@ def predict_item(
             out = call_model(model, xb)
     finally:
         model.train(was_training)
-    return out if batched else first_row(out)
+    # One item: the single sample of the batch of one, in the output's own structure.
+    return out if batched else map_tensors(lambda t: t[0] if t.dim() else t, out)

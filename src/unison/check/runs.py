@@ -282,9 +282,7 @@ def check(opts: argparse.Namespace, out: Path) -> int:
     print(f"verdict: {line}", flush=True)
     # The tensors beyond float32's tolerance (or, in float64, beyond --rtol), and whether one of
     # them is a parameter whose gradient is pure rounding noise: that explains the difference.
-    differing = (
-        [n for n, _, rel in cmp32.weights if rel > (tol32 or RTOL_FLOAT32)] if cmp32 is not None else []
-    )
+    differing = cmp32.diverging(tol32 or RTOL_FLOAT32) if cmp32 is not None else []
     differing += cmp64.diverging(tol64) if cmp64 is not None else []
     dtype = "float64" if opts.float64 else "float32"
     hint = noise_hint(

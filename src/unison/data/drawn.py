@@ -93,13 +93,11 @@ class DrawnOrder:
     @staticmethod
     def _draw(sampler: Any, state: dict[str, Any], epoch: int, scalable: bool) -> tuple[Any, dict[str, Any]]:
         """One epoch from `state`: (its order, the states after it)."""
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state["global"])
             loader_gen = _copy(state["loader"])
             same = state["sampler"] == _SAME
             own = loader_gen if same else _copy(state["sampler"])
             draw_key(loader_gen)  # DataLoader.__iter__: the workers' base seed, from the loader's generator
-            order = draw_order(sampler, own, scalable, run_to_end=True)
+            order = draw_order(sampler, own, epoch, scalable, run_to_end=True)
             return order, _states(loader_gen, own, same)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Generator, Tensor
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from unison.data.permutation import CHUNK_ITEMS, PermutedOrder, draw_key
@@ -27,7 +27,7 @@ Order = Tensor | list[Any] | PermutedOrder
 
 
 def _fast_order(
-    sampler: Any, generator: torch.Generator | None, run_to_end: bool = False
+    sampler: Any, generator: Generator | None, run_to_end: bool = False
 ) -> Tensor | PermutedOrder | None:
     """The order `list(sampler)` gives for torch's plain samplers (else None): a `SequentialSampler`'s
     as the identity `PermutedOrder` (nothing of size n is made), a `RandomSampler`'s as one tensor.
@@ -37,7 +37,7 @@ def _fast_order(
         return PermutedOrder.identity(len(sampler.data_source))
     if type(sampler) is RandomSampler and not sampler.replacement:
         if generator is None:  # as RandomSampler.__iter__ does without one: seeded from the global generator
-            generator = torch.Generator().manual_seed(draw_key(None))
+            generator = Generator().manual_seed(draw_key(None))
         n, wanted = len(sampler.data_source), sampler.num_samples
         if n == 0:
             return torch.zeros(0, dtype=torch.long)
@@ -57,12 +57,15 @@ def as_order(items: list[Any]) -> Tensor | list[Any]:
 
 
 def draw_order(
-    sampler: Any, generator: torch.Generator | None, scalable: bool = False, run_to_end: bool = False
+    sampler: Any, generator: Generator | None, epoch: int, scalable: bool = False, run_to_end: bool = False
 ) -> Order:
-    """What `sampler` yields drawing from `generator` (its `generator` for the draw, then restored;
-    None: as it draws without one, from the global generator, which the caller pins), by `_fast_order`
-    where it can and by iterating it otherwise (`as_order`). With `scalable`, the `PermutedOrder` keyed
-    from `generator`, as a `ScalableRandomSampler` with that generator would yield."""
+    """What `sampler` yields in `epoch` (told it first, when it has `set_epoch`) drawing from `generator`
+    (its `generator` for the draw, then restored; None: as it draws without one, from the global
+    generator, which the caller pins), by `_fast_order` where it can and by iterating it otherwise
+    (`as_order`). With `scalable`, the `PermutedOrder` keyed from `generator`, as a
+    `ScalableRandomSampler` with that generator would yield."""
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
     has_gen = hasattr(sampler, "generator")
     saved = sampler.generator if has_gen else None
     try:
@@ -89,13 +92,11 @@ def sampler_order(sampler: Any, seed: int, epoch: int, scalable: bool = False) -
     >>> sampler_order(SequentialSampler(range(10**10)), seed=0, epoch=0)
     PermutedOrder(n=10000000000, identity)
     """
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
     # Only the CPU generator: torch.manual_seed would also seed every GPU's (which fork_rng(devices=[])
     # does not restore), so GPU dropout would draw the same numbers on every rank.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        return draw_order(sampler, torch.Generator().manual_seed(seed), scalable)
+        return draw_order(sampler, Generator().manual_seed(seed), epoch, scalable)
 
 
 class RankPlan:

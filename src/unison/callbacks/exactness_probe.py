@@ -151,8 +151,7 @@ class ExactnessProbe(Callback):
             return
         learn = self.learn
         learn.xb, learn.yb = to_float64(learn.xb), to_float64(learn.yb)
-        if hasattr(learn, "_padded_xb"):  # what an empty validation share runs forward
-            learn._padded_xb = to_float64(learn._padded_xb)
+        learn._padded_xb = to_float64(learn._padded_xb)  # what an empty validation share runs forward
 
     def after_loss(self) -> None:
         loss = self.learn.loss

@@ -135,9 +135,7 @@ def user_callbacks(learn: Any) -> list[tuple[str, Any]]:
 def _own_state(cb: Any) -> bool:
     """Whether `cb`'s class defines `state_dict`/`load_state_dict` (a fastai callback reads any
     other attribute from its learner, and so from the model: that one is not the callback's)."""
-    return callable(getattr(type(cb), "state_dict", None)) and callable(
-        getattr(type(cb), "load_state_dict", None)
-    )
+    return all(callable(getattr(type(cb), name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 def _callback_state(cb: Any) -> dict[str, Any]:
@@ -154,9 +152,7 @@ def _callback_state(cb: Any) -> dict[str, Any]:
 
 def _plain_value(value: Any) -> Any:
     """A NumPy scalar or a one-element tensor as a Python number; anything else as it is."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
         return value.item()
     return value
 

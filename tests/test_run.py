@@ -425,6 +425,51 @@ def test_a_model_the_wrapper_run_setup_returned_does_not_average_is_refused(pool
         assert message.startswith(refusal), message
 
 
+def _scheduled(kind, counted):
+    """nanoGPT's per-process batch (the global 8 over W) and a scheduler whose length counts the
+    DataLoader's batches ("loader": the W-times-too-long schedule) or the run's steps ("steps")."""
+    from transformers import get_linear_schedule_with_warmup
+
+    world = dist.get_world_size()
+    model = _model(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = DataLoader(_data(30), batch_size=8 // world)
+    epochs, steps = 2, math.ceil(30 / 8)
+    total = epochs * (len(dl) if counted == "loader" else steps)
+    lr = torch.optim.lr_scheduler
+    sched = {
+        "OneCycleLR": lambda: lr.OneCycleLR(opt, max_lr=0.1, total_steps=total),
+        "CosineAnnealingLR": lambda: lr.CosineAnnealingLR(opt, T_max=total),
+        "transformers": lambda: get_linear_schedule_with_warmup(opt, 2, num_training_steps=total),
+    }[kind]()
+    with Run() as run:
+        model, opt, sched = run.setup(model, opt, sched)
+        train = run.loader(dl)
+        try:
+            for _ in run.epochs(epochs):
+                model.train()
+                for x, y in train:
+                    run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+        except ValueError as exc:
+            return str(exc)
+        return opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("kind", ["OneCycleLR", "CosineAnnealingLR", "transformers"])
+def test_a_schedule_counting_the_dataloaders_batches_is_refused_naming_the_runs_steps(pool2, kind):
+    """On W processes each rank takes 1/W of the DataLoader's batches: a schedule as long as
+    `len(dl)` epochs would stop part way, where the same script on one process ends it."""
+    name = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max"}.get(kind, "num_training_steps")
+    for message in pool2.run(_scheduled, kind, "loader"):
+        assert message.startswith(f"Run: the LR scheduler's {name}=16 counts the DataLoader's "), message
+        assert f"{name}=8 " in message
+    steps_lr = pool2.run(_scheduled, kind, "steps")
+    assert steps_lr[0] == steps_lr[1] and not isinstance(steps_lr[0], str)
+
+
 def _evaluate(n, bs):
     """Accelerate's no_trainer evaluation shape: the metric over gathered predictions."""
     ds = _data(n)

@@ -167,7 +167,7 @@ class Run:
         if host.opt is not opt and getattr(scheduler, "optimizer", None) is opt:
             scheduler.optimizer = host.opt  # (FSDP2's rebuilt optimizer, with the same groups' values)
             track_steps(host.opt)
-        self._components["scheduler"] = scheduler
+        self._components["scheduler"] = host.scheduler = scheduler
         return host.model, self._opt, RunScheduler(host, scheduler)
 
     def register_for_checkpointing(self, *objects: Any) -> None:

@@ -464,7 +464,7 @@ def test_a_schedule_counting_the_dataloaders_batches_is_refused_naming_the_runs_
     `len(dl)` epochs would stop part way, where the same script on one process ends it."""
     name = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max"}.get(kind, "num_training_steps")
     for message in pool2.run(_scheduled, kind, "loader"):
-        assert message.startswith(f"Run: the LR scheduler's {name}=16 counts the DataLoader's "), message
+        assert message.startswith(f"run.epochs(2): the LR scheduler's {name}=16 counts the "), message
         assert f"{name}=8 " in message
     steps_lr = pool2.run(_scheduled, kind, "steps")
     assert steps_lr[0] == steps_lr[1] and not isinstance(steps_lr[0], str)

@@ -11,11 +11,15 @@ float (`fit(lr=...)`, the one-cycle schedule).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from unison.learner_view import EngineHost
 
 LR = float | slice | Sequence[float]
 
@@ -94,3 +98,52 @@ def apply_lr(opt: torch.optim.Optimizer, lr: LR, ratios: Sequence[float]) -> lis
     for group, group_lr in zip(opt.param_groups, lrs, strict=True):
         group["lr"] = group_lr
     return [v / max(lrs) for v in lrs] if not isinstance(lr, (int, float)) else list(ratios)
+
+
+def schedule_length(scheduler: Any) -> tuple[str, int] | None:
+    """How many steps a scheduler's schedule lasts, as it was built: OneCycleLR's `total_steps`,
+    CosineAnnealingLR's `T_max`, PolynomialLR's `total_iters`, a Hugging Face schedule's
+    `num_training_steps` (a `LambdaLR` over a `functools.partial`); None for any other.
+
+    >>> opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    >>> schedule_length(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12))
+    ('T_max', 12)
+    """
+    lr = torch.optim.lr_scheduler
+    for kind, name in (
+        (lr.OneCycleLR, "total_steps"),
+        (lr.CosineAnnealingLR, "T_max"),
+        (lr.PolynomialLR, "total_iters"),
+    ):
+        if isinstance(scheduler, kind):
+            return name, int(getattr(scheduler, name))
+    for function in getattr(scheduler, "lr_lambdas", ()):
+        steps = getattr(function, "keywords", {}).get("num_training_steps")
+        if steps is not None:
+            return "num_training_steps", int(steps)
+    return None
+
+
+def refuse_a_schedule_of_the_loaders_batches(
+    scheduler: Any, fit: str, host: EngineHost, batches: int | None, accumulate: int
+) -> None:
+    """On W > 1 processes each rank takes 1/W of a DataLoader's `batches`: a schedule whose length
+    counts them (a per-process batch of the global one over W) would stop part way, where the same
+    script on one process ends it. Refused in one line at the fit's training pass, before a step."""
+    length, world, epochs, share = (
+        schedule_length(scheduler),
+        host.collective.world_size,
+        host.n_epoch,
+        host.n_iter,
+    )
+    if length is None or world == 1 or not share or not batches:
+        return
+    name, scheduled = length
+    steps = epochs * math.ceil(share / accumulate)
+    if scheduled != steps and scheduled in (epochs * batches, epochs * math.ceil(batches / accumulate)):
+        raise ValueError(
+            f"{fit}: the LR scheduler's {name}={scheduled} counts the DataLoader's batches ({batches} an "
+            f"epoch), but on {world} processes each rank takes {share} of them: the fit takes {steps} "
+            f"optimizer steps, and the schedule would stop part way; build it with {name}={steps} "
+            "(epochs x ceil(len(dataset) / (batch_size x world_size)) / accumulate)"
+        )

@@ -10,7 +10,6 @@ engine's names (`host.loss`, the batch's loss tensor) and the API's (`run.loss(.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from unison.events import (
     CancelValidException,
 )
 from unison.loop_host import LoopHost
+from unison.optim import refuse_a_schedule_of_the_loaders_batches
 
 __all__ = [
     "LoaderOrders",
@@ -113,7 +113,9 @@ class RunLoader:
         start = engine.begin_pass(host, self.dl, training)  # mid-epoch after a resume
         if training:
             host.watch_model_calls()  # (after begin_pass: a layer unfrozen wraps the model again)
-            _refuse_a_schedule_of_the_loaders_batches(host, self.dl)
+            refuse_a_schedule_of_the_loaders_batches(
+                host.scheduler, f"run.epochs({host.n_epoch})", host, loader_length(self.dl), host.accumulate
+            )
         dl = host.dl
         phase, cancel = ("train", CancelTrainException) if training else ("validate", CancelValidException)
         device = host.device
@@ -323,44 +325,6 @@ def _refuse_a_value_of_one_rank(host: RunHost, args: tuple[Any, ...], kwargs: di
             f"sched.step(...): rank 0 gave {values[0]}, rank {other} {values[other]}: each rank would set "
             "its own learning rate; step it on a value every rank shares (a mean over run.gather(...) of "
             "the items' losses)"
-        )
-
-
-def _schedule_length(scheduler: Any) -> tuple[str, int] | None:
-    """How many steps a scheduler's schedule lasts, as it was built: OneCycleLR's `total_steps`,
-    CosineAnnealingLR's `T_max`, PolynomialLR's `total_iters`, a Hugging Face schedule's
-    `num_training_steps` (a `LambdaLR` over a `functools.partial`)."""
-    lr = torch.optim.lr_scheduler
-    for kind, name in (
-        (lr.OneCycleLR, "total_steps"),
-        (lr.CosineAnnealingLR, "T_max"),
-        (lr.PolynomialLR, "total_iters"),
-    ):
-        if isinstance(scheduler, kind):
-            return name, int(getattr(scheduler, name))
-    for function in getattr(scheduler, "lr_lambdas", ()):
-        steps = getattr(function, "keywords", {}).get("num_training_steps")
-        if steps is not None:
-            return "num_training_steps", int(steps)
-    return None
-
-
-def _refuse_a_schedule_of_the_loaders_batches(host: RunHost, dl: Any) -> None:
-    """On W > 1 processes each rank takes 1/W of a DataLoader's batches: a schedule whose length
-    counts `len(dl)` (a per-process batch of the global one over W) would stop part way, where the
-    same script on one process ends it. Refused at the training pass, before a step."""
-    length, batches = _schedule_length(host.scheduler), loader_length(dl)
-    world, epochs, accumulate = host.collective.world_size, host.n_epoch, host.accumulate
-    if length is None or world == 1 or not host.n_iter or not batches:
-        return
-    name, scheduled = length
-    steps = epochs * math.ceil(host.n_iter / accumulate)
-    if scheduled != steps and scheduled in (epochs * batches, epochs * math.ceil(batches / accumulate)):
-        raise ValueError(
-            f"Run: the LR scheduler's {name}={scheduled} counts the DataLoader's batches ({batches} an "
-            f"epoch), but on {world} processes each rank takes {host.n_iter} of them: run.epochs({epochs}) "
-            f"takes {steps} optimizer steps, and the schedule would stop part way; build it with "
-            f"{name}={steps} (epochs x ceil(len(dataset) / (batch_size x world_size)) / accumulate)"
         )
 
 

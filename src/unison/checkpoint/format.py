@@ -225,7 +225,7 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike[str], keep_previous
     # Not tempfile.mkstemp: its files are private (0600) and the rename would keep that mode.
     # O_EXCL with mode 0666 gives the permissions of a plain open() under the user's umask.
     tmp = _temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     fcntl.flock(fd, fcntl.LOCK_EX)  # ours until renamed: remove_stale_temps never takes it
     writer = None
     try:

@@ -39,6 +39,8 @@ class Collective:
         self.device = device or torch.device("cpu")
         if self.world_size == 1:
             self.active = False
+        # Rank 0 of the group, numbered as in the whole job: the source of a broadcast.
+        self.root = dist.get_global_rank(group, 0) if self.active and group is not None else 0
 
     @property
     def is_main(self) -> bool:
@@ -106,17 +108,12 @@ class Collective:
             out[index] = part
         return out.to(t.device)
 
-    def _group(self) -> dist.ProcessGroup:
-        """The group of an active collective (one is active only with a group)."""
-        assert self.group is not None
-        return self.group
-
     def agree(self, decision: bool) -> bool:
         """Rank 0's `decision`, on every rank: control flow never diverges."""
         if not self.active:
             return decision
         flag = torch.tensor([1 if decision else 0], device=self.device)
-        dist.broadcast(flag, src=dist.get_global_rank(self._group(), 0), group=self.group)
+        dist.broadcast(flag, src=self.root, group=self.group)
         return bool(flag.item())
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -124,9 +121,7 @@ class Collective:
         if not self.active:
             return obj
         box = [obj]
-        dist.broadcast_object_list(
-            box, src=dist.get_global_rank(self._group(), 0), group=self.group, device=self.device
-        )
+        dist.broadcast_object_list(box, src=self.root, group=self.group, device=self.device)
         return box[0]
 
     def gather_objects(self, obj: Any) -> list[Any]:

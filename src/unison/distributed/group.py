@@ -168,9 +168,7 @@ def _bound_live_group(timeout: float | None) -> None:
     """
     if timeout is None and not os.environ.get(TIMEOUT_ENV):
         return
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
-    if set_timeout is not None:
-        set_timeout(datetime.timedelta(seconds=resolve_timeout(timeout)))
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=resolve_timeout(timeout)))
 
 
 def teardown_distrib() -> None:

@@ -470,6 +470,25 @@ def test_a_schedule_counting_the_dataloaders_batches_is_refused_naming_the_runs_
     assert steps_lr[0] == steps_lr[1] and not isinstance(steps_lr[0], str)
 
 
+def _averaging_the_wrapper():
+    """An EMA built on the model run.setup returned, as after Accelerate's prepare."""
+    model = _model(False)
+    with Run() as run:
+        model, _ = run.setup(model, _opt(model, "sgd"))
+        try:
+            run.register_for_checkpointing(torch.optim.swa_utils.AveragedModel(model))
+        except TypeError as exc:
+            return str(exc)
+
+
+def test_an_averaged_model_of_the_ddp_wrapper_is_refused_naming_run_model(pool2):
+    """Its checkpoint's keys carry DDP's `module.` prefix: a resume at another number of processes
+    failed on them (missing keys `module.0.weight`)."""
+    for message in pool2.run(_averaging_the_wrapper):
+        assert message.startswith("Run.register_for_checkpointing: the AveragedModel averages the "), message
+        assert "AveragedModel(run.model)" in message
+
+
 def _evaluate(n, bs):
     """Accelerate's no_trainer evaluation shape: the metric over gathered predictions."""
     ds = _data(n)

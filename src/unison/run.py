@@ -58,6 +58,7 @@ from unison.distributed.env import num_distrib, rank_distrib
 from unison.distributed.strategy import ParallelConfig
 from unison.events import Callback, CancelEpochException, CancelFitException
 from unison.run_checks import (
+    averaged_wrapper_problem,
     check_schedulers,
     loss_terms,
     refuse_learner_callback,
@@ -179,7 +180,7 @@ class Run:
             run.register_for_checkpointing(ema)
         """
         for obj in objects:
-            problem = stateful_problem(obj)
+            problem = stateful_problem(obj) or averaged_wrapper_problem(obj)
             if problem is not None:
                 raise TypeError(f"Run.register_for_checkpointing: {problem}")
             kind = type(obj).__name__

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 from unison.callbacks.schedule import LRFinder, OneCycleScheduler
 from unison.callbacks.tracker import SaveModelCallback
@@ -19,6 +20,7 @@ from unison.losses import one_step_from, uncounted_items
 from unison.run_host import RunHost
 
 __all__ = [
+    "averaged_wrapper_problem",
     "check_schedulers",
     "loss_terms",
     "refuse_learner_callback",
@@ -138,3 +140,15 @@ def check_schedulers(
             f"to {now:.3g}: its state would not be saved and a resume would restart it; pass it to "
             "run.setup(model, opt, scheduler) and step the scheduler that returns"
         )
+
+
+def averaged_wrapper_problem(obj: Any) -> str | None:
+    """Why an `AveragedModel` cannot be checkpointed as registered: built on the DDP wrapper
+    `run.setup` returned, its keys carry DDP's `module.` prefix, and a resume at another number
+    of processes (no wrapper on one) would not find them."""
+    if isinstance(obj, AveragedModel) and isinstance(obj.module, nn.parallel.DistributedDataParallel):
+        return (
+            "the AveragedModel averages the DDP wrapper run.setup returned, so its checkpoint would not "
+            "load at another number of processes: build it as AveragedModel(run.model)"
+        )
+    return None

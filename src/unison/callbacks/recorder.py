@@ -145,14 +145,8 @@ class Recorder(Callback):
     def _global_batch_losses(self) -> list[float]:
         """Each batch's loss over every rank: sum of loss terms / their count (one collective).
         Batches carried over from a checkpoint take theirs from every rank's part of it."""
-        resumed = self._resumed_means
         fresh, sizes = self._batch_losses[self._n_resumed :], self._batch_sizes[self._n_resumed :]
-        collective = self.learn.collective
-        if not fresh:
-            if collective.active:
-                collective.sum(torch.zeros(2, 0))  # every rank reduces, even one with no batch
-            return resumed
-        return resumed + global_means(collective, fresh, sizes)
+        return self._resumed_means + global_means(self.learn.collective, fresh, sizes)
 
     def _train_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of loss x batch size, sum of batch sizes) of this rank's epoch so far.
@@ -321,8 +315,9 @@ def _global_means(ranks: list[dict[str, Any]]) -> list[float]:
 
 
 def global_means(collective: Any, losses: list[torch.Tensor], counts: list[float]) -> list[float]:
-    """Each batch's loss over every rank: the sum of its loss terms / their count (one collective)."""
-    own = torch.stack(losses).double().cpu()
+    """Each batch's loss over every rank: the sum of its loss terms / their count (one collective,
+    which every rank joins, even one with no batch)."""
+    own = torch.stack(losses).double().cpu() if losses else torch.zeros(0, dtype=torch.float64)
     sizes = torch.tensor(counts, dtype=torch.float64)
     both = collective.sum(torch.stack([own * sizes, sizes]))
     return _mean_or_own(both[0], both[1], own).tolist()

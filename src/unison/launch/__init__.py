@@ -8,8 +8,9 @@ For example:
     mp_spawn(main_worker, nprocs=2, args=(2, args))  # torch.multiprocessing.spawn's form
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unison.lazy import lazy_exports
 
 # Loaded on first use (PEP 562), as in `unison/__init__.py`: `python -m unison.launch` imports
 # this package first and must check its options before torch loads.
@@ -17,12 +18,4 @@ if TYPE_CHECKING:
     from unison.launch.spawn import SpawnError, mp_spawn, spawn
 
 __all__ = ["SpawnError", "mp_spawn", "spawn"]
-
-
-def __getattr__(name: str) -> Any:
-    """`spawn`, `mp_spawn`, `SpawnError` from `unison.launch.spawn`, imported on first use."""
-    if name not in __all__:
-        raise AttributeError(f"module 'unison.launch' has no attribute {name!r}")
-    value = getattr(importlib.import_module("unison.launch.spawn"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "unison.launch.spawn"), globals())

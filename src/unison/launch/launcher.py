@@ -481,11 +481,8 @@ def launch(opts: LaunchOptions) -> int:
     plan: LaunchPlan | None = None
     try:
         plan = plan_launch(opts, log_dir)
-        for note in opts.torchrun.notes:
-            print(f"unison launch: note: {note}", file=sys.stderr, flush=True)
-        print(plan.describe(opts), file=sys.stderr, flush=True)
-        for note in plan.notes:
-            print(note, file=sys.stderr, flush=True)
+        notes = [f"unison launch: note: {note}" for note in opts.torchrun.notes]
+        print(*notes, plan.describe(opts), *plan.notes, sep="\n", file=sys.stderr, flush=True)
         if keep_logs and not opts.log_dir:
             print(f"unison launch: redirected output goes to {log_dir}", file=sys.stderr)
         with contextlib.suppress(AttributeError, ValueError):

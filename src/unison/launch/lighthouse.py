@@ -137,9 +137,9 @@ def replica_options(a: argparse.Namespace) -> ReplicaOptions:
         raise LighthouseOptionError(
             "--lighthouse and --start-lighthouse exclude each other: join one lighthouse, or start it"
         )
-    if a.lighthouse and not _ADDRESS.match(a.lighthouse):
-        raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: expected http://host:port")
     address = _ADDRESS.match(a.lighthouse) if a.lighthouse else None
+    if a.lighthouse and address is None:
+        raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: expected http://host:port")
     if address is not None and not 0 < int(address.group(2)) < 65536:
         raise LighthouseOptionError(f"--lighthouse {a.lighthouse}: the port must be in 1..65535")
     timings = {field: getattr(a, field, None) for field, _, _ in TIMINGS}

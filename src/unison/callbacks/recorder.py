@@ -306,9 +306,7 @@ def _empty_partial(means: list[float] | None = None) -> dict[str, Any]:
 def _global_means(ranks: list[dict[str, Any]]) -> list[float]:
     """The loss over every rank of each batch in the ranks' partial states, as `_global_batch_losses`
     reduces them after the batches: a resumed `recorder.losses` holds the global losses, not rank 0's own."""
-    n = min(len(r["losses"]) for r in ranks)
-    if n == 0:
-        return []
+    n = min(len(r["losses"]) for r in ranks)  # (none: an empty list)
     losses = torch.stack([r["losses"][:n].double() for r in ranks])
     counts = torch.stack([r["sizes"][:n].double() for r in ranks])
     return _mean_or_own((losses * counts).sum(0), counts.sum(0), losses[0]).tolist()

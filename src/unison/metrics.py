@@ -239,9 +239,8 @@ class TorchMetric(Metric):
         return float(out.float().mean()) if isinstance(out, Tensor) else float(out)
 
     def value(self, collective: Collective) -> float:
-        self.sync(collective)
         try:
-            return self.compute()
+            return super().value(collective)
         finally:
             if getattr(self.metric, "_is_synced", False):  # compute() may have restored it already
                 self.metric.unsync()

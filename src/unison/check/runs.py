@@ -45,7 +45,6 @@ from unison.check.report import (
     RTOL_FLOAT32,
     RTOL_FLOAT64,
     TOP,
-    Comparison,
     compare,
     describe,
     noise_hint,
@@ -55,7 +54,7 @@ from unison.check.report import (
 )
 from unison.env_names import FLOAT64_ENV, PROBE_ENV, STEPS_ENV
 
-__all__ = ["CheckError", "Comparison", "compare", "main", "scale_batch_arg", "verdict"]
+__all__ = ["CheckError", "compare", "main", "scale_batch_arg", "verdict"]
 
 
 class CheckError(Exception):

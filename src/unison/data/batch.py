@@ -150,21 +150,16 @@ def cat_structured(batches: Sequence[Any], pad_value: float = -100, combine: Cal
     """
     if not batches:
         return None
+    by_path = [dict(_leaves(b)) for b in batches]  # each batch's leaves, keyed by where they sit
 
     def joined(path: tuple, leaf: Any) -> Any:
-        parts = [_at(b, path) for b in batches]
+        parts: list[Any] = [leaves.get(path) for leaves in by_path]
         if isinstance(leaf, Tensor) and leaf.dim() and all(isinstance(p, Tensor) for p in parts):
             t = cat_padded(parts, pad_value)
             return combine(t) if combine is not None else t
         return None
 
     return _map_leaves(joined, batches[0])
-
-
-def _at(x: Any, path: tuple) -> Any:
-    for k in path:
-        x = getattr(x, k) if _is_dataclass_instance(x) and not isinstance(x, Mapping) else x[k]
-    return x
 
 
 def split_batch(batch: Any, n_inp: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

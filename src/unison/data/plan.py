@@ -201,9 +201,7 @@ class _RealRows(Sequence[int]):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
+    def __getitem__(self, k: Any) -> Any:  # an int: the plan's rows are read one batch at a time
         if not 0 <= k < len(self):
             raise IndexError(f"batch {k} outside a plan of {len(self)} batches")
         return self.plan.real_rows(k)

@@ -26,10 +26,8 @@ if TYPE_CHECKING:
 
 def model_file(learn: LearnerView, name: str | Path) -> Path:
     """Where `save(name)` writes: `path/model_dir/name.pth` (a path with a suffix is used as is)."""
-    name = Path(name)
-    if name.suffix:
-        return name if name.is_absolute() else learn.path / learn.model_dir / name
-    return learn.path / learn.model_dir / f"{name}.pth"
+    name = Path(name)  # (an absolute path stays itself: pathlib's `/` keeps it)
+    return learn.path / learn.model_dir / (name if name.suffix else f"{name}.pth")
 
 
 def save(learn: LearnerView, name: str | Path, with_opt: bool = True) -> Path:

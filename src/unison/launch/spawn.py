@@ -9,7 +9,6 @@ functions work, each worker's share of the CPU, and an error naming the failing 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import pickle
 import shutil
@@ -34,8 +33,10 @@ from unison.launch.bar_relay import BarRelay
 from unison.launch.failures import failure_message
 from unison.launch.options import START_METHODS
 from unison.launch.rendezvous import WatchWorkers
+from unison.launch.stub import default_handler
 
-_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent takes these over while it runs
+#: The signals torch's agent takes over while it runs.
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _TAIL_LINES = 12
 
 
@@ -206,14 +207,14 @@ def _agent_state(extra_env: Mapping[str, str]) -> Iterator[None]:
     # Huge pages as `unison launch` exports them (a fresh interpreter reads the variable at start).
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **huge_pages_env(), **extra_env}
     in_main = threading.current_thread() is threading.main_thread()  # (the agent skips handlers otherwise)
-    saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if in_main}
+    saved_handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS if in_main}
     try:
         with mock.patch.dict(os.environ, env):  # also puts back TORCHELASTIC_SIGNALS_TO_HANDLE, the agent's
             yield
     finally:
-        for name, handler in saved_handlers.items():
+        for sig, handler in saved_handlers.items():
             if handler is not None:
-                signal.signal(getattr(signal, name), handler)
+                signal.signal(sig, handler)
 
 
 # Start method. "spawn" (fresh interpreters) is torch's default and the safe one: nothing of the
@@ -264,13 +265,16 @@ def _worker(
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if timeout is not None:
         os.environ[TIMEOUT_ENV] = str(timeout)
-    call = functools.partial(_call, fn, args, kwargs, threads)
+
+    def call() -> Any:
+        torch.set_num_threads(threads)  # per thread under OpenMP: set in the thread that runs fn
+        return fn(*args, **kwargs)
+
     if forked:
         # A forked child inherits the parent's Python signal handlers (the agent's, the kernel's):
         # put back the defaults, so SIGTERM from the agent ends it even inside a C++ collective.
-        for name in _AGENT_SIGNALS:
-            sig = getattr(signal, name)
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        for sig in _AGENT_SIGNALS:
+            signal.signal(sig, default_handler(sig))
         result = deadline.within(threading.TIMEOUT_MAX, call, "fn")  # a fresh thread, waited for as it runs
     else:
         result = call()
@@ -286,11 +290,6 @@ def _worker(
             f"({type(exc).__name__}: {exc}); return tensors or plain data"
         ) from None
     return result
-
-
-def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> Any:
-    torch.set_num_threads(threads)  # per thread under OpenMP: set in the thread that runs fn
-    return fn(*args, **kwargs)
 
 
 def _spawn_error(failures: Mapping[int, Any]) -> SpawnError:

@@ -20,9 +20,9 @@ import socket
 import struct
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
-__all__ = ["FORWARDED", "REQUEST_HEADER", "catchable_signals", "end_as", "run_in_zygote"]
+__all__ = ["FORWARDED", "REQUEST_HEADER", "catchable_signals", "default_handler", "end_as", "run_in_zygote"]
 
 #: The signals a stub passes on to its worker (torch's agent's death signal, the preemption ones).
 FORWARDED = (
@@ -71,6 +71,11 @@ def catchable_signals() -> list[signal.Signals]:
         and sig < signal.SIGRTMIN
         and sig not in (signal.SIGKILL, signal.SIGSTOP)
     ]
+
+
+def default_handler(sig: int) -> Any:
+    """What a new interpreter handles `sig` with: KeyboardInterrupt for SIGINT, else the OS's default."""
+    return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
 
 
 def _stopped(pid: int) -> bool:
@@ -134,7 +139,7 @@ def run_in_zygote(path: str, argv: list[str]) -> None:
     if not line.startswith("pid "):  # `cold NAME`, or the zygote died before it forked: start cold
         sock.close()
         for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+            signal.signal(sig, default_handler(sig))
         for signum in pending:
             os.kill(os.getpid(), signum)
         return

@@ -51,12 +51,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn, cast
 
 from unison.env_names import LAUNCHER_PID_ENV, PRELOADED_PID_ENV, WARM_START_ENV, ZYGOTE_ENV
 from unison.launch.rendezvous import end_leftovers
-from unison.launch.stub import REQUEST_HEADER, catchable_signals
+from unison.launch.stub import REQUEST_HEADER, catchable_signals, default_handler
 from unison.launch.worker import die_with_parent
 
 __all__ = ["PRELOAD", "Zygote", "can_fork", "serve", "warm_start_allowed"]
@@ -129,7 +129,7 @@ class Zygote:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _serve_forked(path, env)
+                _in_child(_serve_forked, path, env)
             return cls(pid, folder)
         proc = subprocess.Popen(
             [sys.executable, "-m", "unison.launch.zygote", path],
@@ -178,18 +178,25 @@ def can_fork() -> bool:
     return ("torch" not in sys.modules or preloaded) and threading.active_count() == 1
 
 
-def _serve_forked(path: str, env: Mapping[str, str]) -> NoReturn:
+def _serve_forked(path: str, env: Mapping[str, str]) -> None:
     """In the zygote forked from the launcher: leave its session and streams, then `serve`."""
+    os.setsid()  # a Ctrl-C at the terminal reaches the agent, which stops the workers
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.closerange(3, _open_fd_limit())  # as a fresh interpreter's Popen would (stderr is kept)
+    os.environ.clear()
+    os.environ.update(env)
+    serve(path)
+
+
+def _in_child(body: Callable[..., object], *args: object) -> NoReturn:
+    """Run `body(*args)` in a child this process has just forked, then end the child: nothing may
+    return into the parent's code (the launcher's, or the zygote's loop), not even an error (its
+    traceback is printed)."""
     try:
-        os.setsid()  # a Ctrl-C at the terminal reaches the agent, which stops the workers
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(devnull, 1)
-        os.closerange(3, _open_fd_limit())  # as a fresh interpreter's Popen would (stderr is kept)
-        os.environ.clear()
-        os.environ.update(env)
-        serve(path)
-    except BaseException:  # noqa: BLE001  (nothing may return into the launcher's code)
+        body(*args)
+    except BaseException:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
@@ -242,46 +249,38 @@ def _reseed() -> None:
         numpy.random.seed()
 
 
-def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> NoReturn:
+def _become_worker(request: dict[str, object], fds: list[int], zygote: int) -> None:
     """In the forked child: take the stub's streams, environment and folder, then run the bootstrap."""
-    try:
-        os.setsid()  # as torch's agent starts a cold worker: its own session
-        die_with_parent(zygote)
-        # Each signal handled as in a cold worker, which its stub is: ignored where the stub's ignored
-        # (SIGPIPE by every interpreter: a write to a dead peer's socket raises EPIPE instead of
-        # killing; what the launcher's parent ignored and torch's agent does not catch), else the
-        # default. The launcher's own dispositions, which this fork inherited, do not reach it.
-        ignored = request.get("ignored", [int(signal.SIGPIPE), int(signal.SIGXFSZ)])
-        assert isinstance(ignored, list)
-        for sig in catchable_signals():
-            if signal.getsignal(sig) is None:  # a handler set outside Python (faulthandler's): kept
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                signal.signal(sig, signal.SIG_IGN if int(sig) in ignored else signal.SIG_DFL)
-        if int(signal.SIGINT) not in ignored:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        env = request["env"]
-        assert isinstance(env, dict)
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ.pop(ZYGOTE_ENV, None)  # the worker's environment is a cold worker's
-        os.chdir(str(request["cwd"]))
-        _reseed()
-        from unison.launch.worker import main
+    os.setsid()  # as torch's agent starts a cold worker: its own session
+    die_with_parent(zygote)
+    # Each signal handled as in a cold worker, which its stub is: ignored where the stub's ignored
+    # (SIGPIPE by every interpreter: a write to a dead peer's socket raises EPIPE instead of
+    # killing; what the launcher's parent ignored and torch's agent does not catch), else the
+    # default. The launcher's own dispositions, which this fork inherited, do not reach it.
+    ignored = request.get("ignored", [int(signal.SIGPIPE), int(signal.SIGXFSZ)])
+    assert isinstance(ignored, list)
+    for sig in catchable_signals():
+        if signal.getsignal(sig) is None:  # a handler set outside Python (faulthandler's): kept
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_IGN if int(sig) in ignored else default_handler(sig))
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    env = request["env"]
+    assert isinstance(env, dict)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.pop(ZYGOTE_ENV, None)  # the worker's environment is a cold worker's
+    os.chdir(str(request["cwd"]))
+    _reseed()
+    from unison.launch.worker import main
 
-        argv = request["argv"]
-        assert isinstance(argv, list)
-        main([str(a) for a in argv], forked=True)
-    except BaseException:  # noqa: BLE001  (nothing may return into the zygote's loop)
-        import traceback
-
-        traceback.print_exc()
-    os._exit(1)
+    argv = request["argv"]
+    assert isinstance(argv, list)
+    main([str(a) for a in argv], forked=True)
 
 
 def serve(path: str) -> NoReturn:
@@ -328,7 +327,7 @@ def serve(path: str) -> NoReturn:
                         other.close()
                     os.close(wake_r)
                     os.close(wake_w)
-                    _become_worker(request, fds, me)
+                    _in_child(_become_worker, request, fds, me)
                 for fd in fds:
                     os.close(fd)
                 with contextlib.suppress(OSError):

@@ -183,3 +183,35 @@ def test_a_sigkilled_rank_under_max_restarts_resumes_lr_scheduler_callback_bit_e
     proc, killed = launch(tmp_path / "killed", "--kill-rank", "1", "--at", "6")
     assert "restart" in proc.stderr.lower()  # it did die and come back
     assert len(whole) == 2 and whole[0] == whole[1] and killed == whole
+
+
+def _one_cycle_of_the_loaders_batches(counted):
+    """A per-process batch of the global 16 over W, and a OneCycleLR as long as the DataLoader's
+    batches ("loader": W times the fit's steps on W processes) or the fit's steps ("steps")."""
+    world = dist.get_world_size()
+    set_seed(0)
+    dls = make_dls(64, 32, bs=16 // world)
+    total = 2 * (len(dls.train) if counted == "loader" else 64 // 16)
+    one_cycle = lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total)  # noqa: E731
+    learn = Learner(dls, nn.Linear(4, 2), nn.CrossEntropyLoss(), lr=0.05)
+    try:
+        with quiet(), learn.distrib_ctx():
+            learn.fit(2, cbs=[LRSchedulerCallback(one_cycle)])
+    except ValueError as exc:
+        return str(exc)
+    return learn.opt.param_groups[0]["lr"]
+
+
+def test_a_schedule_as_long_as_the_dataloaders_batches_is_refused_on_w_processes(pool2):
+    """On W processes each rank takes 1/W of the DataLoader's batches: the schedule would stop
+    half way where the same script on one process ends it."""
+    for message in pool2.run(_one_cycle_of_the_loaders_batches, "loader"):
+        assert message.startswith("fit(2): the LR scheduler's total_steps=16 counts the "), message
+        assert "total_steps=8 " in message
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8)
+    for _ in range(8):  # the fit's 8 steps, each followed by the scheduler's
+        opt.step()
+        one_cycle.step()
+    lrs = pool2.run(_one_cycle_of_the_loaders_batches, "steps")
+    assert lrs[0] == lrs[1] == pytest.approx(opt.param_groups[0]["lr"])

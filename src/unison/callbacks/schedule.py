@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from unison.callbacks.recorder import global_means
+from unison.callbacks.training import GradientAccumulation
 from unison.checkpoint.callback import Checkpoint
 from unison.checkpoint.components import kept_hyperparameters
 from unison.data.stream import loader_length
 from unison.events import Callback, CancelFitException, CancelValidException
-from unison.optim import top_lr
+from unison.optim import refuse_a_schedule_of_the_loaders_batches, top_lr
 
 if TYPE_CHECKING:
     from unison.learner_view import LearnerView
@@ -164,6 +165,18 @@ class LRSchedulerCallback(Callback):
         if self.on_plateau:
             self._index = self.learn.recorder.value_index(
                 self.monitor, "LRSchedulerCallback: ReduceLROnPlateau"
+            )
+
+    def before_train(self) -> None:
+        learn = self.learn
+        if self.interval == "batch" and learn.dls.train is not None:  # (a Run's loaders are its own)
+            accumulation = learn.get_cb(GradientAccumulation)
+            refuse_a_schedule_of_the_loaders_batches(
+                self.scheduler,
+                f"fit({learn.n_epoch})",
+                learn,
+                loader_length(learn.dls.train),
+                accumulation.n_acc if accumulation is not None else 1,
             )
 
     def after_step(self) -> None:

@@ -3,6 +3,7 @@ them in their own structure and put them back in dataset order across ranks."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +41,7 @@ class PredsCollector(Callback):
 
     def gathered(self, collective: Collective, pad_value: float) -> tuple[Any, ...]:
         """`(preds, targets)` of every rank, each leaf in dataset order, in the outputs' own structure."""
-
-        def combine(t: Tensor) -> Tensor:
-            return collective.gather_ordered(t, pad_value=pad_value)
-
+        combine = functools.partial(collective.gather_ordered, pad_value=pad_value)
         preds = cat_structured(self.preds, pad_value, combine)
         # Every rank must agree on whether there are targets: an unlabelled loader has none anywhere.
         has_targets = bool(self.targets) and len(self.targets) == len(self.preds)

@@ -79,13 +79,10 @@ class DrawnOrder:
         """What `sampler` (the loader's sampler, or its batch sampler) yields in `epoch`."""
         if self._last is not None and self._last[0] == epoch:
             return self._last[1]
-        k = min(epoch, len(self._starts) - 1)
-        while True:
+        # From the latest epoch start known, up to `epoch`: each start kept (the next one follows from it).
+        for k in range(min(epoch, len(self._starts) - 1), epoch + 1):
             order, after = self._draw(sampler, self._starts[k], k, scalable)
-            if k == epoch:
-                break
-            k += 1
-            if k == len(self._starts):
+            if k + 1 == len(self._starts):
                 self._starts.append(after)
         self._last = (epoch, order)
         return order

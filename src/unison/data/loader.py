@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data.distributed import DistributedSampler
 
 from unison.data.drawn import DrawnOrder
@@ -348,7 +349,7 @@ class DistributedDL(RankShare):
         return [item_seed(self.seed, epoch, first + self.rank + self.world_size * i) for i in range(rows)]
 
     def load(self, indices: Any, seeds: Sequence[int] | None = None) -> Any:
-        """Load and collate `indices` here, in this process, as the loader's fetch does (torch's
+        """Load and collate `indices` here, in this process, through the loader's own fetch (torch's
         `_MapDatasetFetcher`: the dataset's `__getitems__` when it has one, else one item at a time),
         each item under its seed of `seeds` (`item_seeds`; None: the generators as they stand).
 
@@ -359,9 +360,8 @@ class DistributedDL(RankShare):
         if isinstance(dataset, SeededItems):
             keys = None if seeds is None else list(zip(indices, seeds, strict=True))
             dataset, indices = (dataset.dataset, indices) if keys is None else (dataset, keys)
-        getitems = getattr(dataset, "__getitems__", None)
-        data = getitems(indices) if getitems else [dataset[i] for i in indices]
-        return collate(data)
+        fetcher = _MapDatasetFetcher(dataset, auto_collation=True, collate_fn=collate, drop_last=False)
+        return fetcher.fetch(indices)
 
     def _plan(self, epoch: int) -> RankPlan | PositionPlan:
         if self.dealt:

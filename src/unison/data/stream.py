@@ -384,9 +384,7 @@ class StreamDL(RankShare):
             self._source.load_state_dict(state["dataset"])
         batches = iter(self._loader(epoch, 0 if state is not None else start))
         if not self.generic and state is None:  # no state to continue from: read and drop its batches
-            for _ in range(start):
-                if next(batches, _END) is _END:
-                    break
+            next(itertools.islice(batches, start, start), None)  # (itertools' `consume` recipe)
         last: Any = _END
         step = start
         first_print: int | None = None

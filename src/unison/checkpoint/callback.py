@@ -98,10 +98,11 @@ class Checkpoint(Callback):
 
     @property
     def file(self) -> Path:
+        # Under `unison check-exact` each run starts from scratch in a folder of its own: the script's
+        # checkpoints are left as they are.
         probe = os.environ.get(PROBE_ENV)
-        if probe:  # under `unison check-exact`: each run from scratch, the script's checkpoints untouched
-            return Path(f"{probe}.checkpoints") / f"{self.fname}.pth"
-        return self.learn.path / self.learn.model_dir / f"{self.fname}.pth"
+        folder = Path(f"{probe}.checkpoints") if probe else self.learn.path / self.learn.model_dir
+        return folder / f"{self.fname}.pth"
 
     def before_fit(self) -> None:
         """Refuse a checkpoint folder that cannot be written before the first step, on every rank.

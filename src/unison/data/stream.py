@@ -184,11 +184,9 @@ class RankStream(IterableDataset):
                 yield item
 
 
-_NO_BITS = [0] * _PRINT_BITS
-
-
 def _bits(value: int | None) -> list[int]:
-    return _NO_BITS if value is None else [(value >> i) & 1 for i in range(_PRINT_BITS)]
+    """A fingerprint's bits, least significant first (None, no fingerprint: all 0)."""
+    return [((value or 0) >> i) & 1 for i in range(_PRINT_BITS)]
 
 
 def stream_length(dataset: Any) -> int | None:

@@ -107,3 +107,14 @@ def test_a_function_mean_over_targets_is_refused_in_evaluation_too():
     with torch.no_grad():
         want = float(F.cross_entropy(plain.model(x), y))
     assert plain.validate()[0] == pytest.approx(want, abs=1e-6)
+
+
+def test_a_loss_summed_over_the_batch_is_refused_naming_the_mean():
+    """A sum's gradient on W processes is each rank's share's, averaged: 1/W of one process's
+    (weights 1.78 apart after four steps on two processes). A VAE's loss is such a sum."""
+    vae_style = lambda pred, y: F.cross_entropy(pred, y, reduction="sum") + 0.1 * pred.pow(2).sum()  # noqa: E731
+    for loss_func in [nn.CrossEntropyLoss(reduction="sum"), vae_style]:
+        with pytest.raises(ValueError, match=r"^loss_func sums over the batch's rows: .*reduction=\"mean\""):
+            _learner(loss_func, 1).fit(1)
+    with pytest.raises(ValueError, match=r"^loss_func sums over the batch's rows: "):
+        _learner(nn.CrossEntropyLoss(reduction="sum"), 1).validate()

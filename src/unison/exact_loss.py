@@ -30,6 +30,7 @@ from unison.losses import (
     nll_module,
     output_logits,
     own_loss_rule,
+    sums_over_rows,
     uncounted_mean,
     weighted_count,
     zero_loss,
@@ -149,7 +150,15 @@ class ExactLoss:
         on_device = isinstance(targets, Tensor) and targets.device.type != "cpu"
         why = None
         if not (on_device and self._read_for is learn.dl):
-            why = uncounted_mean(func, self._with_graph(func, out, learn.pred, learn.yb), targets)
+            recorded = self._with_graph(func, out, learn.pred, learn.yb)
+            if sums_over_rows(func, recorded):
+                raise ValueError(
+                    "loss_func sums over the batch's rows: each rank would sum its share and DDP average "
+                    "the shares, 1/W of one process's gradient; use reduction=\"mean\" (the global batch's "
+                    "mean, exact on any W: scale the learning rate by the batch size to keep a sum's steps) "
+                    "or return SummedLoss(loss_sum, count=n)"
+                )
+            why = uncounted_mean(func, recorded, targets)
         self._read_for = learn.dl
         if why is not None:
             raise ValueError(

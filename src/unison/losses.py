@@ -235,6 +235,33 @@ def uncounted_items(per_item: Tensor) -> tuple[str, str] | None:
     return None
 
 
+def sums_over_rows(func: Any, out: Tensor) -> bool:
+    """Whether a loss function sums its batch's terms instead of averaging them: a torch loss module
+    with `reduction="sum"` (or the one fastai's losses wrap), else a torch loss node that sums
+    (`F.mse_loss(..., reduction="sum")`) at the root of the autograd graph, through the additions
+    and scalings of a compound loss (a VAE's reconstruction sum plus its KL term).
+
+    >>> pred = torch.zeros(2, requires_grad=True)
+    >>> sums_over_rows(None, 2 * F.mse_loss(pred, torch.ones(2), reduction="sum"))
+    True
+    >>> sums_over_rows(None, pred.mean()), sums_over_rows(nn.L1Loss(reduction="sum"), None)
+    (False, True)
+    """
+    module = func if isinstance(func, nn.modules.loss._Loss) else getattr(func, "func", None)
+    if isinstance(module, nn.modules.loss._Loss):
+        return module.reduction == "sum"
+    nodes: list[Any] = [out.grad_fn]
+    for _ in range(16):
+        if not nodes:
+            break
+        node = nodes.pop()
+        if getattr(node, "_saved_reduction", None) == 2:  # (torch's Reduction: 0 none, 1 mean, 2 sum)
+            return True
+        if type(node).__name__ in ("AddBackward0", "SubBackward0", "MulBackward0", "MulBackward1"):
+            nodes += [next_node for next_node, _ in node.next_functions if next_node is not None]
+    return False
+
+
 def nll_module(func: Any) -> nn.CrossEntropyLoss | nn.NLLLoss | None:
     """torch's cross-entropy or NLL module behind a loss function that averages (`reduction="mean"`):
     the function itself, or the one fastai's losses wrap (`CrossEntropyLossFlat().func`)."""

@@ -39,16 +39,16 @@ def _no_checksums() -> Iterator[None]:
 
     real = sc.file_checksum
     sc.file_checksum = lambda path, chunk=0: "skipped"  # type: ignore[assignment]
-    real_check = sc._check_files
+    real_check = sc.check_files
 
     def sizes_only(path, record, rank=0, world=1):  # type: ignore[no-untyped-def]
         return real_check(path, {**record, "checksums": {}}, rank, world)
 
-    sc._check_files = sizes_only  # type: ignore[assignment]
+    sc.check_files = sizes_only  # type: ignore[assignment]
     try:
         yield
     finally:
-        sc.file_checksum, sc._check_files = real, real_check  # type: ignore[assignment]
+        sc.file_checksum, sc.check_files = real, real_check  # type: ignore[assignment]
 
 
 def _stream(path: Path, update: Callable[[memoryview], None], chunk: int = 1 << 22) -> None:

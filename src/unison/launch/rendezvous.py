@@ -235,8 +235,7 @@ def rdzv_store_configs(endpoint: str, timeout: int | None) -> dict[str, object]:
     """
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    host, _, _ = endpoint.rpartition(":")
-    host = host.strip("[]")
+    host = endpoint.rpartition(":")[0].strip("[]")
     _, addr = resolve(host)
     configs: dict[str, object] = {"read_timeout": timeout} if timeout else {}
     owned = is_local_address(addr)

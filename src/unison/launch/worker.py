@@ -241,11 +241,9 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
     it to its own life; otherwise, where the launcher started a zygote, this process becomes
     the stub of a worker forked from it, and runs nothing itself.
     """
-    argv = sys.argv[1:] if argv is None else argv
-    given = list(argv)
-    entry = {"-m": "module", "--exec": "program"}.get(argv[0] if argv else "", "script")
-    if entry != "script":
-        argv = argv[1:]
+    given = sys.argv[1:] if argv is None else argv  # what a stub hands on to the zygote
+    entry = {"-m": "module", "--exec": "program"}.get(given[0] if given else "", "script")
+    argv = given if entry == "script" else given[1:]
     if not argv:
         raise SystemExit(
             "usage: python -m unison.launch.worker [-m | --exec] script [args...] (run by `unison launch`)"

@@ -118,3 +118,26 @@ def test_a_loss_summed_over_the_batch_is_refused_naming_the_mean():
             _learner(loss_func, 1).fit(1)
     with pytest.raises(ValueError, match=r"^loss_func sums over the batch's rows: "):
         _learner(nn.CrossEntropyLoss(reduction="sum"), 1).validate()
+
+
+def _masked(pred, y):
+    """A hand-written mean over the labelled rows, as token losses are often written."""
+    labelled = y != -100
+    return (F.cross_entropy(pred, y.clamp(min=0), reduction="none") * labelled).sum() / labelled.sum()
+
+
+def test_a_mean_over_a_count_of_its_own_is_refused_and_means_over_rows_or_terms_train():
+    """A masked mean divides by the rows its mask keeps: weighed by rows, ranks' means were mixed
+    unevenly. Dividing by the rows, or by every term, is a mean over the rows."""
+    selected = lambda pred, y: F.cross_entropy(pred, y.clamp(min=0), reduction="none")[y != -100].mean()  # noqa: E731
+    for loss_func in [_masked, selected]:
+        with pytest.raises(
+            ValueError, match=r"^loss_func (divides|averages) .*: its mean is not over the batch's rows"
+        ):
+            _learner(loss_func, 1, ignored=True).fit(1)
+    by_rows = lambda pred, y: F.cross_entropy(pred, y, reduction="none").sum() / len(y)  # noqa: E731
+    by_terms = lambda pred, y: F.mse_loss(pred, F.one_hot(y, 2).double(), reduction="sum") / (2 * len(y))  # noqa: E731
+    for loss_func in [by_rows, by_terms]:
+        learn = _learner(loss_func, 1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            learn.fit(1)

@@ -29,6 +29,7 @@ from unison.losses import (
     model_loss,
     nll_module,
     output_logits,
+    own_count,
     own_loss_rule,
     sums_over_rows,
     uncounted_mean,
@@ -148,8 +149,9 @@ class ExactLoss:
             return out * weights, float(weights), out
         # Reading the targets waits for the device: on a GPU only each pass's first batch is read.
         on_device = isinstance(targets, Tensor) and targets.device.type != "cpu"
-        why = None
-        if not (on_device and self._read_for is learn.dl):
+        why, first_batch = None, self._read_for is not learn.dl
+        n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
+        if not on_device or first_batch:
             recorded = self._with_graph(func, out, learn.pred, learn.yb)
             if sums_over_rows(func, recorded):
                 raise ValueError(
@@ -159,6 +161,10 @@ class ExactLoss:
                     "or return SummedLoss(loss_sum, count=n)"
                 )
             why = uncounted_mean(func, recorded, targets)
+            # A divisor is read at a pass's first batch only: a constant one (`sum / bs`) meets the short
+            # last batch, where dividing by the batch size is what the plain loop does too.
+            if why is None and first_batch:
+                why = own_count(recorded, int(n))
         self._read_for = learn.dl
         if why is not None:
             raise ValueError(
@@ -167,7 +173,6 @@ class ExactLoss:
                 "unison.TokenCrossEntropy(ignore_index=...) (by its scored targets) or return a SummedLoss"
             )
         self.count_is_rows = True
-        n = float(batch_size_of(learn.yb) if learn.yb else batch_size_of(learn.xb))
         return out * n, n, out
 
     def _call(self, func: Callable[..., Any], pred: Any, yb: tuple[Any, ...]) -> Any:

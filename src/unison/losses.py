@@ -18,6 +18,7 @@ subclassed, compiled or sharded causal LM is counted as it scored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
@@ -260,6 +261,29 @@ def sums_over_rows(func: Any, out: Tensor) -> bool:
         if type(node).__name__ in ("AddBackward0", "SubBackward0", "MulBackward0", "MulBackward1"):
             nodes += [next_node for next_node, _ in node.next_functions if next_node is not None]
     return False
+
+
+def own_count(out: Tensor, rows: int) -> str | None:
+    """Why a mean loss divides by a count of its own, not by its batch's rows nor by every term it
+    sums: a masked mean, `(losses * mask).sum() / mask.sum()` or `losses[mask].mean()`. Read from
+    the autograd graph; None for a mean over the rows or the terms.
+
+    >>> losses, mask = torch.ones(4, requires_grad=True), torch.tensor([1, 1, 0, 1])
+    >>> own_count((losses * mask).sum() / mask.sum(), rows=4), own_count(losses.sum() / 4, rows=4)
+    ("divides its sum of 4 terms by 3, not by the batch's 4 rows", None)
+    """
+    node: Any = out.grad_fn  # (autograd nodes: their saved fields are typed per node class)
+    first: Any = node.next_functions[0][0] if node is not None and node.next_functions else None
+    name = type(node).__name__
+    if name == "MeanBackward0" and type(first).__name__ in ("IndexBackward0", "MaskedSelectBackward0"):
+        return "averages over the items a mask selects"
+    divisor = getattr(node, "_saved_other", None) if name == "DivBackward0" else None
+    if not isinstance(divisor, Tensor) or divisor.numel() != 1 or type(first).__name__ != "SumBackward0":
+        return None
+    terms, count = math.prod(first._saved_self_sym_sizes), float(divisor)
+    if count in (rows, terms):
+        return None
+    return f"divides its sum of {terms} terms by {count:g}, not by the batch's {rows} rows"
 
 
 def nll_module(func: Any) -> nn.CrossEntropyLoss | nn.NLLLoss | None:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, NoReturn
 
 from unison.env_names import PRELOADED_PID_ENV
+from unison.launch.worker import end_process, exit_status
 
 __all__ = ["ForkedLaunch", "preloaded", "start"]
 
@@ -96,11 +97,9 @@ def _run_launcher(args: Sequence[str], env: Mapping[str, str], log: IO[str]) -> 
 
         status = main(list(args))
     except SystemExit as exc:
-        status = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as Python exits
+        status = exit_status(exc)  # as Python exits
     except BaseException:  # noqa: BLE001  (nothing may return into the caller's code)
         traceback.print_exc()
-    from unison.launch.worker import end_process
-
     end_process(status & 0xFF)
 
 

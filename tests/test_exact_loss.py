@@ -141,3 +141,9 @@ def test_a_mean_over_a_count_of_its_own_is_refused_and_means_over_rows_or_terms_
         learn = _learner(loss_func, 1)
         with contextlib.redirect_stdout(io.StringIO()):
             learn.fit(1)
+
+
+def test_a_loss_of_one_value_per_item_is_refused_naming_the_reduction():
+    """torch's own error was "grad can be implicitly created only for scalar outputs"."""
+    with pytest.raises(ValueError, match=r"^loss_func returned a tensor of shape \(8,\), not one loss: "):
+        _learner(nn.CrossEntropyLoss(reduction="none"), 1).fit(1)

@@ -134,6 +134,11 @@ class ExactLoss:
             self.count_is_rows = False
             count = out.count
             return out.total, float(count.item() if isinstance(count, Tensor) else count), None
+        if learn.training and isinstance(out, Tensor) and out.dim() > 0:  # (evaluation: fastai's with_loss)
+            raise ValueError(
+                f"loss_func returned a tensor of shape {tuple(out.shape)}, not one loss: reduce it "
+                '(reduction="mean"), or return SummedLoss(losses.sum(), count=...) for per-item losses'
+            )
         targets = learn.yb[0] if learn.yb else None
         module = nll_module(func)
         if (

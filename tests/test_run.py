@@ -409,6 +409,35 @@ def _bypassing(how):
             return str(exc)
 
 
+def _evaluated_between_forward_and_backward():
+    """A loop that evaluates between a training batch's forward pass and its backward (its own
+    estimate_loss): the wrapper computed the training loss, and the evaluation leaves that so."""
+    model = _model(False)
+    with Run() as run:
+        model, opt = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        train, valid = (
+            run.loader(DataLoader(_data(16), batch_size=4)),
+            run.loader(DataLoader(_data(8), batch_size=4)),
+        )
+        for _ in run.epochs(1):
+            for x, y in train:
+                model.train()
+                loss = run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y))
+                model.eval()
+                with torch.no_grad():
+                    for xv, _ in valid:
+                        model(xv)
+                model.train()
+                run.backward(loss)
+                opt.step()
+                opt.zero_grad()
+        return run.host.iter
+
+
+def test_an_evaluation_between_a_batchs_forward_and_backward_is_not_taken_for_another_model(pool2):
+    assert pool2.run(_evaluated_between_forward_and_backward) == [1, 1]
+
+
 @pytest.mark.parametrize(
     "how, refusal",
     [

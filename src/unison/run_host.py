@@ -134,7 +134,9 @@ class RunLoader:
                 except CancelBatchException:
                     self._end_batch(cancelled=True)
                     continue
-                host.in_batch, host.model_called = True, False
+                host.in_batch = True
+                if training:  # (an evaluation inside a training batch leaves the batch's note as it was)
+                    host.model_called = False
                 yield host.xb[0]  # (as a callback left it: float64 under check-exact)
                 while training and host.redo_step:  # its torchft commit failed: the same items again
                     host.redo_step = False

@@ -104,6 +104,22 @@ def test_one_process_run_equals_the_plain_loop(opt_kind):
     assert len(values) == 2 and values[1][0] < values[0][0]  # an exact train loss per epoch, falling
 
 
+def test_the_trained_model_pickles_whole_on_one_process(tmp_path):
+    """`torch.save(model)` of the whole module, as tutorials save it: nothing of unison's stays on it."""
+    model = _model(False)
+    with Run() as run:
+        model, opt = run.setup(model, _opt(model, "sgd"))
+        for _ in run.epochs(1):
+            model.train()
+            for x, y in run.loader(DataLoader(_data(16), batch_size=8)):
+                run.backward(run.loss(F.cross_entropy(model(x), y, reduction="sum"), count=len(y)))
+                opt.step()
+                opt.zero_grad()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert _max_diff(loaded.state_dict(), model.state_dict()) == 0.0
+
+
 def test_accumulation_and_token_counts_on_one_process():
     ds = _data(45, tokens=True)
     weights, _ = run_loop(ds, bs=4, epochs=1, bn=False, opt_kind="adamw", accumulate=3)

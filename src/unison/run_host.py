@@ -67,12 +67,16 @@ class RunHost(LoopHost):
         self._called_hook: tuple[nn.Module, Any] | None = None
 
     def watch_model_calls(self) -> None:
-        """Note each forward pass with grad of the model to train (a model wrapped again has a new
-        one): only DDP's own forward pass makes its backward average the gradients."""
+        """Note each forward pass with grad of the strategy's wrapper (a model wrapped again has a
+        new one): only DDP's own forward pass makes its backward average the gradients. The user's
+        own model gets no hook (it stays picklable whole, `torch.save(model)`)."""
         if self._called_hook is not None and self._called_hook[0] is self.model:
             return
         if self._called_hook is not None:
             self._called_hook[1].remove()
+            self._called_hook = None
+        if self.model is self.raw_model:
+            return
         handle = self.model.register_forward_pre_hook(lambda *_: self._note_call())
         self._called_hook = (self.model, handle)
 
